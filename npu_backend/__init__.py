@@ -1,0 +1,45 @@
+"""npu_backend: a BYOC NPU backend for Apache TVM (Relax).
+
+Importing it registers the ``npu`` pattern table in TVM's pattern registry and
+the ``relax.ext.npu`` codegen.
+
+Typical use::
+
+    mod = npu_backend.partition_for_npu(mod)        # inspectable
+    mod = relax.transform.RunCodegen()(mod)          # NPU regions -> command streams
+    ex = tvm.compile(mod, target="llvm")
+    # or, in one line: ex = npu_backend.build(mod)
+"""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax
+
+from simulator.config import DEFAULT_PRESET, PRESETS, NpuConfig, get_config
+
+from . import codegen
+from .errors import ModelImportError, NpuError, QParamError, UnsupportedOpError
+from .frontend import load_tflite
+from .partition import partition_for_npu
+from .patterns import register_table
+from .profiling import Profile, profile
+from .report import PartitionReport, partition_report
+
+register_table()
+
+
+def build(mod: tvm.IRModule, target: str = "llvm", preset: str = DEFAULT_PRESET):
+    """Partition, generate NPU command streams and build the host part in one step.
+
+    Equivalent to ``tvm.compile(RunCodegen()(partition_for_npu(mod, preset)), target)``.
+    """
+    partitioned = partition_for_npu(mod, preset)
+    return tvm.compile(relax.transform.RunCodegen()(partitioned), target=target)
+
+
+__all__ = [
+    "build", "partition_for_npu", "partition_report", "PartitionReport", "profile", "Profile",
+    "load_tflite", "codegen", "NpuError", "ModelImportError", "QParamError", "UnsupportedOpError",
+    "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config",
+]

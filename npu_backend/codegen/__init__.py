@@ -1,0 +1,26 @@
+"""The ``relax.ext.npu`` codegen: NPU regions -> command streams bound to runtime symbols."""
+
+import tvm
+
+from simulator.stream import encode_stream
+
+from ..runtime import install_stream
+from .lower import lower_module, lower_region, npu_regions
+
+
+@tvm.register_global_func("relax.ext.npu", override=True)
+def npu_codegen(functions, options, constant_names):
+    """Called by ``relax.transform.RunCodegen`` with every ``Codegen="npu"`` function.
+
+    Each region becomes a serialized command stream installed under the
+    region's symbol, which the Relax VM calls through ``call_dps_packed``.
+    No TVM runtime module is produced: the streams run on the simulator in
+    this process (see README, "Deployment").
+    """
+    for func in functions:
+        symbol = str(func.attrs["global_symbol"])
+        install_stream(symbol, encode_stream(lower_region(func, symbol)))
+    return []
+
+
+__all__ = ["npu_codegen", "lower_module", "lower_region", "npu_regions"]

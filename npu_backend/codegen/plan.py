@@ -1,0 +1,116 @@
+"""Tiling and SRAM planning of one layer.
+
+A layer runs as tiles: a range of output channels (the weights and scale/bias
+rows for them stay in SRAM) times a stripe of output rows (the input rows it
+needs, halo included, are loaded per stripe). ``plan_layer`` picks the largest
+tile that fits the configuration's SRAM, preferring all output channels at
+once (weights are then fetched exactly once). The same function answers the
+pattern check's "can this be tiled at all?".
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from simulator.config import NpuConfig
+from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
+
+from ..errors import UnsupportedOpError
+from ..params import ConvParams, NpuOp
+
+SRAM_ALIGN = 16
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """A layer seen as an NHWC image operator (fully connected: N x 1 x IC, 1x1 kernel)."""
+
+    height: int
+    width: int
+    in_channels: int
+    out_height: int
+    out_width: int
+    out_channels: int
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    dilation: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    depthwise: bool
+
+    @classmethod
+    def of(cls, p: ConvParams) -> "LayerGeometry":
+        if p.op == NpuOp.FULLY_CONNECTED:
+            batch, in_channels = p.ifm_shape
+            return cls(batch, 1, in_channels, batch, 1, p.out_channels, (1, 1), (1, 1), (1, 1),
+                       (0, 0, 0, 0), False)
+        _, h, w, c = p.ifm_shape
+        _, oh, ow, oc = p.ofm_shape
+        return cls(h, w, c, oh, ow, oc, p.kernel, p.strides, p.dilation, p.padding,
+                   p.op == NpuOp.DEPTHWISE_CONV2D)
+
+    def input_rows(self, out_start: int, out_stop: int) -> tuple[int, int, int, int]:
+        """(first input row, stop row, tile pad top, tile pad bottom) feeding output rows."""
+        first = out_start * self.strides[0] - self.padding[0]
+        last = (out_stop - 1) * self.strides[0] - self.padding[0] + self.dilation[0] * (self.kernel[0] - 1)
+        start, stop = max(0, first), min(self.height, last + 1)
+        return start, stop, start - first, last + 1 - stop
+
+    def weight_bytes(self, channels: int) -> int:
+        per_channel = self.kernel[0] * self.kernel[1] * (1 if self.depthwise else self.in_channels)
+        return channels * per_channel
+
+
+@dataclass(frozen=True)
+class TilePlan:
+    """Chosen tile sizes and the SRAM address of each operand region."""
+
+    channel_tile: int
+    row_tile: int
+    weights_address: int
+    scale_bias_address: int
+    ifm_address: int
+    ofm_address: int
+    sram_used: int
+
+
+def _align(value: int) -> int:
+    return (value + SRAM_ALIGN - 1) // SRAM_ALIGN * SRAM_ALIGN
+
+
+def _layout(g: LayerGeometry, channels: int, rows: int) -> TilePlan:
+    in_rows = (rows - 1) * g.strides[0] + g.dilation[0] * (g.kernel[0] - 1) + 1
+    in_channels = channels if g.depthwise else g.in_channels
+    sizes = (g.weight_bytes(channels), channels * SCALE_BIAS_WORDS * 4,
+             min(in_rows, g.height) * g.width * in_channels, rows * g.out_width * channels)
+    addresses, cursor = [], 0
+    for size in sizes:
+        addresses.append(cursor)
+        cursor = _align(cursor + size)
+    return TilePlan(channels, rows, *addresses, sram_used=cursor)
+
+
+def plan_layer(p: ConvParams, config: NpuConfig) -> TilePlan:
+    """Largest (channel tile, row tile) whose operands fit in SRAM; raises if none does."""
+    g = LayerGeometry.of(p)
+    expected_w = conv_output_size(g.width, g.kernel[1], g.strides[1], g.dilation[1], g.padding[1], g.padding[3])
+    expected_h = conv_output_size(g.height, g.kernel[0], g.strides[0], g.dilation[0], g.padding[0], g.padding[2])
+    if (expected_h, expected_w) != (g.out_height, g.out_width):
+        raise UnsupportedOpError("output shape does not follow from the window arithmetic")
+    splits = 1
+    while True:
+        channels = math.ceil(g.out_channels / splits)
+        low, high, best = 1, g.out_height, None
+        while low <= high:  # SRAM use grows with rows: binary search the largest stripe
+            mid = (low + high) // 2
+            plan = _layout(g, channels, mid)
+            if plan.sram_used <= config.sram_bytes:
+                best, low = plan, mid + 1
+            else:
+                high = mid - 1
+        if best is not None:
+            return best
+        if channels == 1:
+            raise UnsupportedOpError(f"one output row of one channel needs more than the "
+                                     f"{config.sram_bytes}-byte SRAM, so the layer cannot be tiled")
+        splits *= 2

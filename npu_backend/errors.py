@@ -1,0 +1,19 @@
+"""Errors of the compiler side; all derive from the simulator's ``NpuError`` root."""
+
+from simulator.errors import ConfigError, NpuError, NumericsError, StreamError
+
+
+class ModelImportError(NpuError):
+    """The model file is missing, malformed, or rejected by TVM's importer."""
+
+
+class UnsupportedOpError(NpuError):
+    """An operator, attribute or size the NPU cannot execute."""
+
+
+class QParamError(NpuError):
+    """Quantization parameters that are missing, inconsistent or out of range."""
+
+
+__all__ = ["NpuError", "ConfigError", "NumericsError", "StreamError", "ModelImportError",
+           "UnsupportedOpError", "QParamError"]

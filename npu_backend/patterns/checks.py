@@ -1,0 +1,60 @@
+"""Hardware rules of the MAC-array operators.
+
+Each rule is a small function of (params, config) returning ``None`` when the
+operator is legal, or the reason it stays on the host; the reason is what the
+partition report shows the user. The limits come from the ``NpuConfig``.
+"""
+
+from __future__ import annotations
+
+from simulator.config import NpuConfig
+
+from ..codegen.plan import plan_layer
+from ..errors import NpuError
+from ..params import ConvParams
+
+
+def kernel_fits(p: ConvParams, config: NpuConfig) -> str | None:
+    if max(p.kernel) > config.max_kernel:
+        return f"kernel {p.kernel[0]}x{p.kernel[1]} exceeds the NPU maximum of {config.max_kernel}"
+    return None
+
+
+def stride_fits(p: ConvParams, config: NpuConfig) -> str | None:
+    if max(p.strides) > config.max_stride:
+        return f"stride {tuple(p.strides)} exceeds the NPU maximum of {config.max_stride}"
+    return None
+
+
+def dilation_fits(p: ConvParams, config: NpuConfig) -> str | None:
+    if max(p.dilation) > config.max_dilation:
+        return f"dilation {tuple(p.dilation)} exceeds the NPU maximum of {config.max_dilation}"
+    return None
+
+
+def padding_within_window(p: ConvParams, config: NpuConfig) -> str | None:
+    spans = [d * (k - 1) + 1 for d, k in zip(p.dilation, p.kernel)]
+    top, left, bottom, right = p.padding
+    if top >= spans[0] or bottom >= spans[0] or left >= spans[1] or right >= spans[1]:
+        return f"padding {tuple(p.padding)} is as large as the dilated kernel {tuple(spans)}"
+    return None
+
+
+def tiles_fit_sram(p: ConvParams, config: NpuConfig) -> str | None:
+    try:
+        plan_layer(p, config)
+    except NpuError as exc:
+        return str(exc)
+    return None
+
+
+CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window, tiles_fit_sram)
+"""Rules shared by conv2d, depthwise conv2d and fully connected (as a 1x1 layer)."""
+
+
+def first_violation(p: ConvParams, config: NpuConfig, rules=CONV_RULES) -> str | None:
+    for rule in rules:
+        reason = rule(p, config)
+        if reason is not None:
+            return reason
+    return None

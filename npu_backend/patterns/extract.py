@@ -1,0 +1,207 @@
+"""One extraction per operator: matched composite -> :class:`ConvParams`.
+
+The same functions serve the pattern check (is this legal on the NPU?) and the
+annotation of the fused composite (what will the codegen run?). They raise
+``UnsupportedOpError`` / ``QParamError`` with the user-facing reason; the
+check turns that into "stays on the host, because ...".
+
+The idiom handled here is the float-emulated form TVM 0.27's TFLite importer
+emits: ``quantize(add(op(dequantize(x), dequantize(w)), dequantize(bias)))``
+optionally followed by an int8 ``clip`` (the fused ReLU/ReLU6).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+from tvm import relax
+from tvm.ir.expr import Constant
+
+from simulator.numerics import Rounding
+
+from ..errors import QParamError, UnsupportedOpError
+from ..params import ConvParams, NpuOp
+
+BIAS_SCALE_RTOL = 1e-6
+"""The NPU adds the int32 bias in the accumulator domain, so its scale must be
+s_in * s_w; TFLite's converter stores exactly that product in float32."""
+
+
+def _const(expr, what: str) -> np.ndarray:
+    if not isinstance(expr, Constant):
+        raise UnsupportedOpError(f"{what} must be a compile-time constant")
+    return expr.value.numpy()
+
+
+def _shape(expr) -> tuple[int, ...]:
+    sinfo = expr.ty
+    if not isinstance(sinfo, relax.TensorType) or sinfo.shape is None:
+        raise UnsupportedOpError("tensor shape must be known")
+    try:
+        return tuple(int(d) for d in sinfo.shape.values)
+    except TypeError:
+        raise UnsupportedOpError("dynamic shapes are not supported") from None
+
+
+def _dtype(expr) -> str:
+    return str(expr.ty.dtype)
+
+
+def _qparams(call, what: str, per_tensor: bool = True):
+    """(scales, zero_points, axis) of a quantize/dequantize call with constant qparams."""
+    scales = np.atleast_1d(_const(call.args[1], f"{what} scale")).astype(np.float32)
+    zero_points = np.atleast_1d(_const(call.args[2], f"{what} zero point")).astype(np.int64)
+    if per_tensor and (scales.size != 1 or zero_points.size != 1):
+        raise QParamError(f"{what} must be quantized per tensor")
+    if not np.all(np.isfinite(scales)) or np.any(scales <= 0):
+        raise QParamError(f"{what} scale must be positive and finite")
+    return scales, zero_points, int(call.attrs.axis)
+
+
+def _clamp(annotations: Mapping[str, relax.Expr]) -> tuple[int, int]:
+    clip = annotations.get("clip")
+    if clip is None:
+        return (-128, 127)
+    low, high = (float(getattr(arg.value, "value", arg.value)) for arg in clip.args[1:3])
+    return (max(-128, int(np.ceil(low))), min(127, int(np.floor(high))))
+
+
+def _input_and_output(annotations):
+    x = annotations["input"]
+    if _dtype(x) != "int8":
+        raise UnsupportedOpError(f"input dtype {_dtype(x)} is not int8")
+    in_scale, in_zp, _ = _qparams(annotations["input_dq"], "input")
+    quantize = annotations["quantize"]
+    if str(quantize.attrs.out_dtype) != "int8":
+        raise UnsupportedOpError(f"output dtype {quantize.attrs.out_dtype} is not int8")
+    out_scale, out_zp, _ = _qparams(quantize, "output")
+    for name, zp in (("input", in_zp[0]), ("output", out_zp[0])):
+        if not -128 <= zp <= 127:
+            raise QParamError(f"{name} zero point {zp} is outside int8")
+    return x, float(in_scale[0]), int(in_zp[0]), float(out_scale[0]), int(out_zp[0])
+
+
+def _squeezed_axis(shape: tuple[int, ...], axis: int) -> int:
+    """Position of ``axis`` among the non-unit dimensions of ``shape``."""
+    return sum(1 for d in shape[:axis] if d != 1)
+
+
+def _weights(annotations, out_channels: int, oc_axis_after: int):
+    """Constant int8 weights (after an optional reshape/permute) and per-OC scales.
+
+    ``oc_axis_after`` is the output-channel axis of the weight as the operator
+    consumes it. The dequantize may sit before a reshape that only moves unit
+    dimensions (per-channel depthwise) or before a transpose (fully connected).
+    """
+    weight_dq = annotations["weight_dq"]
+    raw = _const(annotations["weight"], "weights")
+    if raw.dtype != np.int8:
+        raise UnsupportedOpError(f"weight dtype {raw.dtype} is not int8")
+    scales, zero_points, axis = _qparams(weight_dq, "weights", per_tensor=False)
+    if np.any(zero_points != 0):
+        raise QParamError("weight zero points must be 0 (symmetric int8 weights)")
+    layout_op = annotations.get("weight_layout")
+    dq_shape = _shape(weight_dq)
+    value = raw
+    if "weight_permute" in annotations:  # permute_dims(const) -> dequantize
+        axes = [int(a) for a in annotations["weight_permute"].attrs.axes]
+        value = np.transpose(raw, axes)
+    if layout_op is not None:  # dequantize(const) -> reshape
+        target = _shape(layout_op)
+        if [d for d in dq_shape if d != 1] != [d for d in target if d != 1]:
+            raise UnsupportedOpError("weight reshape must only add or remove unit dimensions")
+        if scales.size > 1 and _squeezed_axis(dq_shape, axis) != _squeezed_axis(target, oc_axis_after):
+            raise QParamError("per-channel weight axis is not the output-channel axis")
+        value = value.reshape(target)
+    elif scales.size > 1 and axis % len(dq_shape) != oc_axis_after:
+        raise QParamError(f"per-channel weight axis {axis} is not the output-channel axis")
+    if scales.size not in (1, out_channels):
+        raise QParamError(f"{scales.size} weight scales for {out_channels} output channels")
+    per_channel = scales.size > 1
+    scales = np.broadcast_to(scales, (out_channels,)).astype(np.float32)
+    return value, scales, np.zeros(out_channels, dtype=np.int32), per_channel
+
+
+def _bias(annotations, in_scale: float, weight_scales: np.ndarray) -> np.ndarray:
+    out_channels = weight_scales.size
+    bias_dq = annotations.get("bias")
+    if bias_dq is None:
+        return np.zeros(out_channels, dtype=np.int32)
+    values = _const(bias_dq.args[0], "bias")
+    if values.dtype != np.int32:
+        raise UnsupportedOpError(f"bias dtype {values.dtype} is not int32")
+    scales, zero_points, _ = _qparams(bias_dq, "bias", per_tensor=False)
+    if np.any(zero_points != 0):
+        raise QParamError("bias zero point must be 0")
+    values = np.broadcast_to(values.reshape(-1), (out_channels,)) if values.size in (1, out_channels) else None
+    if values is None:
+        raise QParamError("bias must hold one value per output channel")
+    expected = np.float32(in_scale) * weight_scales
+    if not np.allclose(np.broadcast_to(scales, expected.shape), expected, rtol=BIAS_SCALE_RTOL, atol=0):
+        raise QParamError("bias scale is not input_scale * weight_scale")
+    return np.ascontiguousarray(values, dtype=np.int32)
+
+
+def _conv_common(annotations, op: NpuOp) -> ConvParams:
+    conv = annotations["conv"]
+    attrs = conv.attrs
+    layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
+    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    ifm_shape, ofm_shape = _shape(x), _shape(conv)
+    if len(ifm_shape) != 4 or ifm_shape[0] != 1:
+        raise UnsupportedOpError(f"input shape {list(ifm_shape)} is not a batch-1 NHWC image")
+    groups = int(attrs.groups)
+    channels = ifm_shape[3]
+    if op == NpuOp.CONV2D:
+        if layouts != ("NHWC", "HWIO", "NHWC"):
+            raise UnsupportedOpError(f"layouts {layouts} are not NHWC/HWIO")
+        if groups != 1:
+            raise UnsupportedOpError(f"grouped convolution (groups={groups}) is not a plain conv2d")
+        out_channels = ofm_shape[3]
+        value, scales, zps, per_channel = _weights(annotations, out_channels, oc_axis_after=3)
+        weights = np.transpose(value, (3, 0, 1, 2))  # HWIO -> [OC, KH, KW, IC]
+    else:
+        if layouts != ("NHWC", "HWOI", "NHWC"):
+            raise UnsupportedOpError(f"layouts {layouts} are not NHWC/HWOI")
+        if groups != channels or ofm_shape[3] != channels:
+            raise UnsupportedOpError("depthwise convolution needs groups == channels and multiplier 1")
+        out_channels = channels
+        value, scales, zps, per_channel = _weights(annotations, out_channels, oc_axis_after=2)
+        weights = np.transpose(value[:, :, :, 0], (2, 0, 1))  # HWO1 -> [C, KH, KW]
+    padding = tuple(int(p) for p in attrs.padding)
+    if len(padding) == 2:
+        padding = padding * 2
+    return ConvParams(
+        op=op, ifm_shape=ifm_shape, ofm_shape=ofm_shape, input_scale=in_scale, input_zero_point=in_zp,
+        weight_scales=scales, weight_zero_points=zps, per_channel=per_channel,
+        weights=np.ascontiguousarray(weights), bias=_bias(annotations, in_scale, scales),
+        output_scale=out_scale, output_zero_point=out_zp, clamp=_clamp(annotations),
+        kernel=(int(weights.shape[1]), int(weights.shape[2])),
+        strides=tuple(int(s) for s in attrs.strides), dilation=tuple(int(d) for d in attrs.dilation),
+        padding=padding, rounding=Rounding.TFLITE_DOUBLE)
+
+
+def extract_conv2d(annotations: Mapping[str, relax.Expr]) -> ConvParams:
+    return _conv_common(annotations, NpuOp.CONV2D)
+
+
+def extract_depthwise_conv2d(annotations: Mapping[str, relax.Expr]) -> ConvParams:
+    return _conv_common(annotations, NpuOp.DEPTHWISE_CONV2D)
+
+
+def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams:
+    matmul = annotations["conv"]
+    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    ifm_shape, ofm_shape = _shape(x), _shape(matmul)
+    weight_shape = _shape(annotations["weight_dq"])
+    if len(ifm_shape) != 2 or len(weight_shape) != 2:
+        raise UnsupportedOpError(f"fully connected needs a 2-D input and weight, got {list(ifm_shape)}")
+    out_channels = weight_shape[1]
+    value, scales, zps, per_channel = _weights(annotations, out_channels, oc_axis_after=1)
+    weights = np.ascontiguousarray(value.T)  # [IC, OC] -> [OC, IC]
+    return ConvParams(
+        op=NpuOp.FULLY_CONNECTED, ifm_shape=ifm_shape, ofm_shape=ofm_shape, input_scale=in_scale,
+        input_zero_point=in_zp, weight_scales=scales, weight_zero_points=zps, per_channel=per_channel,
+        weights=weights, bias=_bias(annotations, in_scale, scales), output_scale=out_scale,
+        output_zero_point=out_zp, clamp=_clamp(annotations), rounding=Rounding.TFLITE_DOUBLE)

@@ -1,0 +1,148 @@
+"""The pattern table: one ordered entry per (NPU operator, idiom variant).
+
+Order is priority, highest first, the order ``FuseOpsByPattern`` consumes.
+TVM's registry treats *later* registrations as higher priority, so
+``register_table`` registers the table reversed; ``get_patterns_with_prefix``
+then returns it in this order.
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from tvm.relax.backend.pattern_registry import get_patterns_with_prefix, register_patterns
+from tvm.relax.backend.utils import has_leaking_intermediate_variables
+from tvm.relax.dpl.pattern import DFPattern, is_const, is_op, wildcard
+
+from simulator.config import NpuConfig, get_config
+
+from ..errors import NpuError
+from ..params import ConvParams
+from .checks import CONV_RULES, first_violation
+from .extract import extract_conv2d, extract_depthwise_conv2d, extract_fully_connected
+
+PREFIX = "npu"
+
+
+def _quantized(op_pattern: DFPattern, annotations: dict, with_clip: bool):
+    """Wrap an operator pattern in [+ dequantized bias] -> quantize [-> int8 clip]."""
+    bias = is_op("relax.dequantize")(is_const(), is_const(), is_const())
+    quantize = is_op("relax.quantize")(is_op("relax.add")(op_pattern, bias) | op_pattern,
+                                       is_const(), is_const())
+    annotations.update(bias=bias, quantize=quantize)
+    if not with_clip:
+        return quantize, annotations
+    clip = is_op("relax.clip")(quantize, wildcard(), wildcard())
+    annotations["clip"] = clip
+    return clip, annotations
+
+
+def _dequantized_input():
+    x = wildcard()
+    return x, is_op("relax.dequantize")(x, is_const(), is_const())
+
+
+def conv2d_pattern(with_clip: bool):
+    """conv2d of dequantized int8 input and constant weights (optionally reshaped)."""
+    x, input_dq = _dequantized_input()
+    weight = is_const()
+    weight_dq = is_op("relax.dequantize")(weight, is_const(), is_const())
+    weight_layout = is_op("relax.reshape")(weight_dq, wildcard())
+    conv = is_op("relax.nn.conv2d")(input_dq, weight_dq | weight_layout)
+    annotations = dict(input=x, input_dq=input_dq, weight=weight, weight_dq=weight_dq,
+                       weight_layout=weight_layout, conv=conv)
+    return _quantized(conv, annotations, with_clip)
+
+
+def matmul_pattern(with_clip: bool):
+    """matmul of dequantized int8 input and constant weights (optionally transposed)."""
+    x, input_dq = _dequantized_input()
+    weight = is_const()
+    weight_permute = is_op("relax.permute_dims")(weight)
+    weight_dq = is_op("relax.dequantize")(weight_permute | weight, is_const(), is_const())
+    matmul = is_op("relax.matmul")(input_dq, weight_dq)
+    annotations = dict(input=x, input_dq=input_dq, weight=weight, weight_permute=weight_permute,
+                       weight_dq=weight_dq, conv=matmul)
+    return _quantized(matmul, annotations, with_clip)
+
+
+@dataclass(frozen=True)
+class PatternEntry:
+    """An NPU operator: its composite name, graph pattern, extraction and hardware rules."""
+
+    name: str
+    build: Callable[[bool], tuple[DFPattern, dict]]
+    extract: Callable[[Mapping], ConvParams]
+    rules: tuple = field(default=CONV_RULES)
+
+
+OPERATORS = (
+    PatternEntry(f"{PREFIX}.conv2d", conv2d_pattern, extract_conv2d),
+    PatternEntry(f"{PREFIX}.depthwise_conv2d", conv2d_pattern, extract_depthwise_conv2d),
+    PatternEntry(f"{PREFIX}.fully_connected", matmul_pattern, extract_fully_connected),
+)
+ENTRY_BY_NAME = {entry.name: entry for entry in OPERATORS}
+
+
+@dataclass
+class Rejection:
+    """Why a pattern that matched the graph was refused (the op stays on the host)."""
+
+    composite: str
+    anchor: str
+    reason: str
+
+
+@dataclass
+class PartitionContext:
+    config: NpuConfig
+    rejections: list[Rejection] = field(default_factory=list)
+    accepted: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    """(composite, names of the original bindings it covers) of every accepted match."""
+
+
+ACTIVE_CONTEXT: contextvars.ContextVar[PartitionContext | None] = contextvars.ContextVar(
+    "npu_partition_context", default=None)
+
+
+def _make_check(entry: PatternEntry):
+    def check(context) -> bool:
+        active = ACTIVE_CONTEXT.get() or PartitionContext(get_config())
+        annotations = {str(k): v for k, v in context.annotated_expr.items()}
+        anchor_var = context.value_to_bound_var.get(annotations["conv"])
+        anchor = anchor_var.name if anchor_var is not None else "?"
+        reason = None
+        if has_leaking_intermediate_variables(context):
+            reason = "an intermediate result is also used outside the fused operator"
+        else:
+            try:
+                reason = first_violation(entry.extract(annotations), active.config, entry.rules)
+            except NpuError as exc:
+                reason = str(exc)
+        if reason is not None:
+            active.rejections.append(Rejection(entry.name, anchor, reason))
+        else:
+            active.accepted.append((entry.name, tuple(v.name for v in context.matched_bindings.keys())))
+        return reason is None
+
+    return check
+
+
+def table() -> list[tuple]:
+    """The ordered (name, pattern, annotations, check) tuples, highest priority first."""
+    rows = []
+    for with_clip in (True, False):  # a fused activation must be claimed before the bare op
+        for entry in OPERATORS:
+            pattern, annotations = entry.build(with_clip)
+            rows.append((entry.name, pattern, annotations, _make_check(entry)))
+    return rows
+
+
+def register_table() -> None:
+    register_patterns(list(reversed(table())))
+
+
+def registered_patterns():
+    return get_patterns_with_prefix(PREFIX)

@@ -1,0 +1,74 @@
+"""First-order cycle model: what each command costs, from the command alone.
+
+Commands run back to back (no DMA/compute overlap yet). A MAC-array command
+costs its issue overhead plus the larger of the array time and the output
+stage time; the array processes ``mac_rows`` output channels times
+``mac_cols`` reduction elements per cycle, so shapes that do not fill it pay
+for the idle lanes. Depthwise convolution has no cross-channel reduction and
+uses one column. A DMA costs its latency plus bytes over bandwidth.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .config import NpuConfig
+from .isa import Command, Convolution, DmaCopy, MemorySpace, Opcode
+
+
+@dataclass(frozen=True)
+class CommandCost:
+    cycles: int
+    macs: int = 0
+    dram_read_bytes: int = 0
+    dram_write_bytes: int = 0
+
+
+def _dma_cost(opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> CommandCost:
+    moved = dma.bytes_moved
+    cycles = config.dram_latency_cycles + math.ceil(moved / config.dram_bytes_per_cycle)
+    return CommandCost(cycles=cycles,
+                       dram_read_bytes=moved if dma.src_space == MemorySpace.DRAM else 0,
+                       dram_write_bytes=moved if dma.dst_space == MemorySpace.DRAM else 0)
+
+
+def _mac_cost(conv: Convolution, config: NpuConfig, macs: int, array_cycles: int) -> CommandCost:
+    outputs = conv.ofm.height * conv.ofm.width * conv.ofm.channels
+    output_cycles = math.ceil(outputs / config.output_lanes)
+    return CommandCost(cycles=config.command_overhead_cycles + max(array_cycles, output_cycles), macs=macs)
+
+
+def _conv2d_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+    pixels = conv.ofm.height * conv.ofm.width
+    taps = conv.kernel[0] * conv.kernel[1]
+    macs = pixels * taps * conv.ifm.channels * conv.ofm.channels
+    array = (pixels * taps * math.ceil(conv.ifm.channels / config.mac_cols)
+             * math.ceil(conv.ofm.channels / config.mac_rows))
+    return _mac_cost(conv, config, macs, array)
+
+
+def _depthwise_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+    pixels = conv.ofm.height * conv.ofm.width
+    taps = conv.kernel[0] * conv.kernel[1]
+    macs = pixels * taps * conv.ofm.channels
+    return _mac_cost(conv, config, macs, pixels * taps * math.ceil(conv.ofm.channels / config.mac_rows))
+
+
+def _fully_connected_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+    batch = conv.ifm.height
+    macs = batch * conv.ifm.channels * conv.ofm.channels
+    array = batch * math.ceil(conv.ifm.channels / config.mac_cols) * math.ceil(conv.ofm.channels / config.mac_rows)
+    return _mac_cost(conv, config, macs, array)
+
+
+COST_MODELS = {
+    Opcode.DMA_COPY: _dma_cost,
+    Opcode.CONV2D: _conv2d_cost,
+    Opcode.DEPTHWISE_CONV2D: _depthwise_cost,
+    Opcode.FULLY_CONNECTED: _fully_connected_cost,
+}
+
+
+def command_cost(command: Command, config: NpuConfig) -> CommandCost:
+    return COST_MODELS[command.opcode](command.opcode, command.payload, config)

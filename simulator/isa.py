@@ -1,0 +1,154 @@
+"""The instruction set: opcodes and the decoded form of every command.
+
+Decoded commands are frozen dataclasses so that the compiler builds them, the
+encoder/decoder round-trip them and the kernels and cycle model read them
+without ever touching flatbuffers objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+from .numerics import Rounding
+
+FORMAT_VERSION = (1, 0)
+"""(major, minor) of the command-stream format; a reader accepts only its own major."""
+
+
+class Opcode(IntEnum):
+    """Values are those of ``npu_stream.Opcode`` in command_stream.fbs."""
+
+    DMA_COPY = 0
+    CONV2D = 1
+    DEPTHWISE_CONV2D = 2
+    FULLY_CONNECTED = 3
+
+
+class BufferKind(IntEnum):
+    INPUT = 0
+    OUTPUT = 1
+    CONSTANT = 2
+    SCRATCH = 3
+
+
+class MemorySpace(IntEnum):
+    DRAM = 0
+    SRAM = 1
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """A DRAM region; CONSTANT buffers carry their bytes, the others only a size."""
+
+    name: str
+    kind: BufferKind
+    size: int
+    dtype: str = "int8"
+    shape: tuple[int, ...] = ()
+    data: bytes = b""
+
+
+@dataclass(frozen=True)
+class DmaCopy:
+    """2-D copy of ``rows`` x ``row_bytes`` between DRAM buffers and SRAM."""
+
+    src_space: MemorySpace
+    src_buffer: int
+    src_offset: int
+    dst_space: MemorySpace
+    dst_buffer: int
+    dst_offset: int
+    row_bytes: int
+    rows: int = 1
+    src_stride: int = 0
+    dst_stride: int = 0
+
+    @property
+    def bytes_moved(self) -> int:
+        return self.row_bytes * self.rows
+
+
+@dataclass(frozen=True)
+class FeatureMap:
+    """NHWC int8 tile (batch 1) at an SRAM address."""
+
+    address: int
+    height: int
+    width: int
+    channels: int
+
+    @property
+    def size(self) -> int:
+        return self.height * self.width * self.channels
+
+
+@dataclass(frozen=True)
+class Convolution:
+    """Operands of a MAC-array operation; see command_stream.fbs for layouts."""
+
+    ifm: FeatureMap
+    ofm: FeatureMap
+    weights_address: int
+    scale_bias_address: int
+    kernel: tuple[int, int] = (1, 1)
+    stride: tuple[int, int] = (1, 1)
+    dilation: tuple[int, int] = (1, 1)
+    padding: tuple[int, int, int, int] = (0, 0, 0, 0)
+    """(top, left, bottom, right) in input pixels, filled with the input zero point."""
+    input_zero_point: int = 0
+    output_zero_point: int = 0
+    act_min: int = -128
+    act_max: int = 127
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+
+
+SCALE_BIAS_WORDS = 3
+"""int32 words per output channel in the scale/bias table: bias, multiplier, shift."""
+
+
+@dataclass(frozen=True)
+class Command:
+    opcode: Opcode
+    payload: DmaCopy | Convolution
+    layer: str = ""
+
+
+@dataclass(frozen=True)
+class CommandStream:
+    """A whole program: what DRAM holds and the commands to run, in order."""
+
+    name: str
+    config: str
+    buffers: tuple[Buffer, ...]
+    commands: tuple[Command, ...]
+    version: tuple[int, int] = field(default=FORMAT_VERSION)
+
+    def buffers_of(self, kind: BufferKind) -> list[tuple[int, Buffer]]:
+        return [(i, b) for i, b in enumerate(self.buffers) if b.kind == kind]
+
+
+def weight_shape(opcode: Opcode, conv: Convolution) -> tuple[int, ...]:
+    """SRAM weight layout of each MAC-array opcode (one definition for validator and kernels)."""
+    kh, kw = conv.kernel
+    if opcode == Opcode.CONV2D:
+        return (conv.ofm.channels, kh, kw, conv.ifm.channels)
+    if opcode == Opcode.DEPTHWISE_CONV2D:
+        return (conv.ofm.channels, kh, kw)
+    return (conv.ofm.channels, conv.ifm.channels)
+
+
+def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_before: int,
+                     pad_after: int) -> int:
+    """Output extent of a padded, strided, dilated window (0 when the window does not fit)."""
+    span = dilation * (kernel - 1) + 1
+    return max(0, (size + pad_before + pad_after - span) // stride + 1)
+
+
+PAYLOAD_OF_OPCODE: dict[Opcode, type] = {
+    Opcode.DMA_COPY: DmaCopy,
+    Opcode.CONV2D: Convolution,
+    Opcode.DEPTHWISE_CONV2D: Convolution,
+    Opcode.FULLY_CONNECTED: Convolution,
+}
+"""The one table saying which payload each opcode carries (encoder, decoder, validator)."""

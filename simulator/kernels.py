@@ -1,0 +1,119 @@
+"""Bit-exact execution of each opcode on the simulated memories.
+
+Convolution follows TFLite's reference integer kernels
+(reference_integer_ops/conv.h, depthwise_conv.h, fully_connected.h):
+``acc = bias + sum((x - input_zero_point) * w)`` in wide integers, wrapped to the
+accumulator width, then the numerics module's output stage. Padding is filled
+with the input zero point, i.e. contributes nothing to the sum.
+
+Products are summed with float64 matrix multiplies for speed: every term is an
+integer below 2**16 in magnitude, so partial sums stay exact while fewer than
+2**37 terms are added, far beyond any legal kernel.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import NpuConfig
+from .errors import NpuError
+from .isa import SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, MemorySpace, Opcode, weight_shape
+from .numerics import requantize, wrap_signed
+
+
+@dataclass
+class MachineState:
+    """The memories a stream runs against: SRAM and one byte array per DRAM buffer."""
+
+    sram: np.ndarray
+    dram: list[np.ndarray]
+
+
+def _rows(memory: np.ndarray, offset: int, rows: int, stride: int, row_bytes: int) -> np.ndarray:
+    if rows == 1:
+        return memory[offset:offset + row_bytes].reshape(1, row_bytes)
+    return np.lib.stride_tricks.as_strided(memory[offset:], shape=(rows, row_bytes),
+                                           strides=(stride, 1), writeable=True)
+
+
+def run_dma(state: MachineState, opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> None:
+    src = state.sram if dma.src_space == MemorySpace.SRAM else state.dram[dma.src_buffer]
+    dst = state.sram if dma.dst_space == MemorySpace.SRAM else state.dram[dma.dst_buffer]
+    data = _rows(src, dma.src_offset, dma.rows, dma.src_stride, dma.row_bytes).copy()
+    _rows(dst, dma.dst_offset, dma.rows, dma.dst_stride, dma.row_bytes)[...] = data
+
+
+def _read(state: MachineState, address: int, shape: tuple[int, ...], dtype) -> np.ndarray:
+    count = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    return state.sram[address:address + count].view(dtype).reshape(shape)
+
+
+def _padded_input(state: MachineState, conv: Convolution) -> np.ndarray:
+    """ifm minus its zero point, zero-padded: the TFLite ``input + input_offset`` term."""
+    ifm = _read(state, conv.ifm.address, (conv.ifm.height, conv.ifm.width, conv.ifm.channels), np.int8)
+    pt, pl, pb, pr = conv.padding
+    return np.pad(ifm.astype(np.float64) - conv.input_zero_point, ((pt, pb), (pl, pr), (0, 0)))
+
+
+def _windows(x: np.ndarray, conv: Convolution):
+    """Yield (ky, kx, strided input slice of shape [OH, OW, C]) for every kernel tap."""
+    (kh, kw), (sh, sw), (dh, dw) = conv.kernel, conv.stride, conv.dilation
+    oh, ow = conv.ofm.height, conv.ofm.width
+    for ky in range(kh):
+        for kx in range(kw):
+            y0, x0 = ky * dh, kx * dw
+            yield ky, kx, x[y0:y0 + (oh - 1) * sh + 1:sh, x0:x0 + (ow - 1) * sw + 1:sw, :]
+
+
+def _accumulate_conv2d(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
+    acc = np.zeros((conv.ofm.height, conv.ofm.width, conv.ofm.channels), dtype=np.float64)
+    for ky, kx, window in _windows(x, conv):
+        acc += window @ weights[:, ky, kx, :].T
+    return acc
+
+
+def _accumulate_depthwise(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
+    acc = np.zeros((conv.ofm.height, conv.ofm.width, conv.ofm.channels), dtype=np.float64)
+    for ky, kx, window in _windows(x, conv):
+        acc += window * weights[:, ky, kx]
+    return acc
+
+
+def _accumulate_fully_connected(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
+    return x @ weights.T
+
+
+ACCUMULATE = {
+    Opcode.CONV2D: _accumulate_conv2d,
+    Opcode.DEPTHWISE_CONV2D: _accumulate_depthwise,
+    Opcode.FULLY_CONNECTED: _accumulate_fully_connected,
+}
+
+
+def run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
+    weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8).astype(np.float64)
+    table = _read(state, conv.scale_bias_address, (conv.ofm.channels, SCALE_BIAS_WORDS), np.int32)
+    bias, multiplier, shift = (table[:, i].astype(np.int64) for i in range(SCALE_BIAS_WORDS))
+    acc = ACCUMULATE[opcode](_padded_input(state, conv), weights, conv).astype(np.int64) + bias
+    acc = wrap_signed(acc, config.accumulator_bits)
+    out = requantize(acc, multiplier, shift, conv.output_zero_point, conv.act_min, conv.act_max,
+                     conv.rounding)
+    state.sram[conv.ofm.address:conv.ofm.address + conv.ofm.size] = out.reshape(-1).view(np.uint8)
+
+
+KERNELS = {
+    Opcode.DMA_COPY: run_dma,
+    Opcode.CONV2D: run_convolution,
+    Opcode.DEPTHWISE_CONV2D: run_convolution,
+    Opcode.FULLY_CONNECTED: run_convolution,
+}
+
+
+def execute(state: MachineState, command: Command, config: NpuConfig) -> None:
+    try:
+        kernel = KERNELS[command.opcode]
+    except KeyError:
+        raise NpuError(f"no kernel for opcode {command.opcode!r}") from None
+    kernel(state, command.opcode, command.payload, config)

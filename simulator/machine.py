@@ -1,0 +1,109 @@
+"""Running a command stream: validate, load DRAM, execute, account.
+
+Every figure in the returned statistics is the cost of one executed command;
+totals are sums over them, never estimated separately.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from .config import DEFAULT_PRESET, NpuConfig, get_config
+from .cycles import command_cost
+from .errors import ExecutionError
+from .isa import BufferKind, CommandStream, Opcode
+from .kernels import MachineState, execute
+from .stream import decode_stream
+from .validate import validate_stream
+
+
+@dataclass(frozen=True)
+class CommandStats:
+    index: int
+    opcode: Opcode
+    layer: str
+    cycles: int
+    macs: int
+    dram_read_bytes: int
+    dram_write_bytes: int
+
+
+@dataclass(frozen=True)
+class RunStats:
+    """Per-command statistics of one stream execution."""
+
+    stream: str
+    config: NpuConfig
+    commands: tuple[CommandStats, ...]
+
+    @property
+    def total_cycles(self) -> int:
+        return sum(c.cycles for c in self.commands)
+
+    @property
+    def total_macs(self) -> int:
+        return sum(c.macs for c in self.commands)
+
+    @property
+    def total_dram_bytes(self) -> int:
+        return sum(c.dram_read_bytes + c.dram_write_bytes for c in self.commands)
+
+    def per_layer(self) -> dict[str, dict[str, int]]:
+        """Sum the commands of each layer (DMA included), in first-seen order."""
+        layers: dict[str, dict[str, int]] = {}
+        for c in self.commands:
+            row = layers.setdefault(c.layer, {"commands": 0, "cycles": 0, "macs": 0, "dram_bytes": 0})
+            row["commands"] += 1
+            row["cycles"] += c.cycles
+            row["macs"] += c.macs
+            row["dram_bytes"] += c.dram_read_bytes + c.dram_write_bytes
+        return layers
+
+
+def _load_inputs(stream: CommandStream, inputs: Mapping[str, np.ndarray]) -> dict[int, np.ndarray]:
+    declared = dict((b.name, (i, b)) for i, b in stream.buffers_of(BufferKind.INPUT))
+    missing = sorted(set(declared) - set(inputs))
+    extra = sorted(set(inputs) - set(declared))
+    if missing or extra:
+        raise ExecutionError(f"inputs do not match the stream: missing {missing}, unexpected {extra}")
+    loaded = {}
+    for name, (index, buf) in declared.items():
+        value = np.asarray(inputs[name])
+        if value.dtype != np.dtype(buf.dtype) or tuple(value.shape) != tuple(buf.shape):
+            raise ExecutionError(f"input {name!r} must be {buf.dtype}{list(buf.shape)}, "
+                                 f"got {value.dtype}{list(value.shape)}")
+        loaded[index] = np.ascontiguousarray(value).reshape(-1).view(np.uint8).copy()
+    return loaded
+
+
+def run_stream(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],
+               config: NpuConfig | None = None) -> tuple[dict[str, np.ndarray], RunStats]:
+    """Execute a stream bit-exactly and return its outputs by name and its statistics.
+
+    ``config`` defaults to the preset named in the stream; a stream never runs
+    on a configuration other than the one it was compiled for.
+    """
+    if not isinstance(stream, CommandStream):
+        stream = decode_stream(stream)
+    config = config or get_config(stream.config or DEFAULT_PRESET)
+    validate_stream(stream, config)
+    loaded = _load_inputs(stream, inputs)
+    dram = []
+    for index, buf in enumerate(stream.buffers):
+        if buf.kind == BufferKind.CONSTANT:
+            dram.append(np.frombuffer(buf.data, dtype=np.uint8))
+        else:
+            dram.append(loaded.get(index, np.zeros(buf.size, dtype=np.uint8)))
+    state = MachineState(sram=np.zeros(config.sram_bytes, dtype=np.uint8), dram=dram)
+    stats = []
+    for index, command in enumerate(stream.commands):
+        execute(state, command, config)
+        cost = command_cost(command, config)
+        stats.append(CommandStats(index, command.opcode, command.layer, cost.cycles, cost.macs,
+                                  cost.dram_read_bytes, cost.dram_write_bytes))
+    outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape(buf.shape).copy()
+               for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
+    return outputs, RunStats(stream.name, config, tuple(stats))

@@ -1,0 +1,155 @@
+"""Integer arithmetic of the NPU's output stage, bit-exact with TFLite's reference kernels.
+
+This is the single definition of requantization used twice: the compiler calls
+the multiplier functions to precompute per-channel (multiplier, shift) pairs,
+and the simulator calls the requantize functions to execute them.
+
+Conventions (those of tensorflow/lite/kernels/internal/common.h and
+quantization_util.cc):
+
+* A real multiplier M is represented as ``M = multiplier * 2**(shift - 31)`` with
+  ``multiplier`` an int32 in [2**30, 2**31) (or 0) and ``shift`` a signed
+  exponent: **shift > 0 is a left shift**, shift < 0 a right shift.
+* ``Rounding.TFLITE_DOUBLE`` is TFLite's default build: a saturating rounding
+  doubling high multiply (round half away from zero) followed by a rounding
+  right shift (round half away from zero). ``Rounding.TFLITE_SINGLE`` is the
+  ``TFLITE_SINGLE_ROUNDING`` build flag: one 64-bit multiply and one rounding
+  shift (round half up). The ai-edge-litert wheels use the double variant.
+
+Floats appear only where TFLite uses them: turning float32 scales into a
+multiplier at preparation time.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import IntEnum
+
+import numpy as np
+
+from .errors import NumericsError
+
+INT32_MIN = -(1 << 31)
+INT32_MAX = (1 << 31) - 1
+
+
+class Rounding(IntEnum):
+    """Requantization rounding variant; values are the stream's Rounding enum."""
+
+    TFLITE_DOUBLE = 0
+    TFLITE_SINGLE = 1
+
+
+def quantize_multiplier(real_multiplier: float, rounding: Rounding = Rounding.TFLITE_DOUBLE):
+    """TFLite ``QuantizeMultiplier``: split a non-negative real into (multiplier, shift).
+
+    ``frexp`` gives q in [0.5, 1); q * 2**31 is rounded half away from zero
+    (``TfLiteRound``). Multipliers below about 2**-31 flush to zero as in TFLite.
+    """
+    if not math.isfinite(real_multiplier) or real_multiplier < 0:
+        raise NumericsError(f"requantization multiplier must be finite and >= 0, got {real_multiplier}")
+    if real_multiplier == 0.0:
+        return 0, 0
+    q, shift = math.frexp(real_multiplier)
+    q_fixed = int(math.floor(q * (1 << 31) + 0.5))
+    if q_fixed == (1 << 31):
+        q_fixed //= 2
+        shift += 1
+    if shift < -31:
+        return 0, 0
+    if rounding == Rounding.TFLITE_SINGLE and shift > 30:
+        return INT32_MAX, 30
+    if shift > 30:
+        raise NumericsError(f"requantization multiplier {real_multiplier} is too large (shift {shift} > 30)")
+    return q_fixed, shift
+
+
+def conv_multipliers(input_scale, weight_scales, output_scale, rounding=Rounding.TFLITE_DOUBLE):
+    """Per-channel multipliers as TFLite ``PopulateConvolutionQuantizationParams`` makes them.
+
+    Used by CONV_2D and DEPTHWISE_CONV_2D (and per-channel FULLY_CONNECTED): the
+    product ``input_scale * weight_scale / output_scale`` is formed in double
+    from the float32 scales.
+    """
+    s_in = float(np.float32(input_scale))
+    s_out = float(np.float32(output_scale))
+    if s_out <= 0 or s_in <= 0:
+        raise NumericsError(f"scales must be positive, got input {s_in} and output {s_out}")
+    pairs = [quantize_multiplier(s_in * float(np.float32(s_w)) / s_out, rounding)
+             for s_w in np.atleast_1d(weight_scales)]
+    return (np.array([p[0] for p in pairs], dtype=np.int32),
+            np.array([p[1] for p in pairs], dtype=np.int32))
+
+
+def fully_connected_multiplier(input_scale, weight_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):
+    """Per-tensor FULLY_CONNECTED multiplier as TFLite ``GetQuantizedConvolutionMultipler``.
+
+    Unlike convolution, TFLite multiplies the input and weight scales in
+    float32 before widening to double; the two can differ in the last bit.
+    """
+    product = float(np.float32(input_scale) * np.float32(weight_scale))
+    s_out = float(np.float32(output_scale))
+    if s_out <= 0 or product <= 0:
+        raise NumericsError("fully connected scales must be positive")
+    multiplier, shift = quantize_multiplier(product / s_out, rounding)
+    return np.array([multiplier], dtype=np.int32), np.array([shift], dtype=np.int32)
+
+
+def wrap_signed(values: np.ndarray, bits: int) -> np.ndarray:
+    """Two's-complement wrap of int64 values to ``bits`` (what a hardware adder does)."""
+    values = np.asarray(values, dtype=np.int64)
+    if bits >= 64:
+        return values
+    half = np.int64(1) << np.int64(bits - 1)
+    return ((values + half) & ((half << np.int64(1)) - 1)) - half
+
+
+def _check_multipliers(multiplier: np.ndarray, shift: np.ndarray) -> None:
+    if np.any(multiplier < 0):
+        raise NumericsError("requantization multiplier must be non-negative")
+    if np.any(shift < -31) or np.any(shift > 30):
+        bad = int(shift[(shift < -31) | (shift > 30)][0])
+        raise NumericsError(f"requantization shift {bad} is outside [-31, 30]")
+
+
+def _truncating_shift_right(values: np.ndarray, bits: int) -> np.ndarray:
+    """C++ integer division by 2**bits, which rounds toward zero."""
+    return np.where(values >= 0, values >> bits, -((-values) >> bits))
+
+
+def multiply_by_quantized_multiplier(acc, multiplier, shift, rounding=Rounding.TFLITE_DOUBLE):
+    """TFLite ``MultiplyByQuantizedMultiplier`` on int32 accumulators, vectorized.
+
+    ``multiplier`` and ``shift`` broadcast against ``acc`` (per channel: last axis).
+    """
+    x = np.asarray(acc, dtype=np.int64)
+    m = np.broadcast_to(np.asarray(multiplier, dtype=np.int64), x.shape)
+    s = np.broadcast_to(np.asarray(shift, dtype=np.int64), x.shape)
+    _check_multipliers(np.asarray(multiplier), np.asarray(shift))
+    if rounding == Rounding.TFLITE_SINGLE:
+        total_shift = 31 - s
+        result = (x * m + (np.int64(1) << (total_shift - 1))) >> total_shift
+        return wrap_signed(result, 32)
+    # x * (1 << left_shift) is an int32 product in TFLite; it wraps in practice.
+    x = wrap_signed(x << np.maximum(s, 0), 32)
+    right = np.maximum(-s, 0)
+    # SaturatingRoundingDoublingHighMul: the only overflow is INT32_MIN * INT32_MIN.
+    product = x * m
+    nudge = np.where(product >= 0, np.int64(1 << 30), np.int64(1 - (1 << 30)))
+    high = _truncating_shift_right(product + nudge, 31)
+    high = np.where((x == INT32_MIN) & (m == INT32_MIN), INT32_MAX, high)
+    # RoundingDivideByPOT: round half away from zero.
+    mask = (np.int64(1) << right) - 1
+    remainder = high & mask
+    threshold = (mask >> 1) + (high < 0)
+    return (high >> right) + (remainder > threshold)
+
+
+def requantize(acc, multiplier, shift, output_zero_point, act_min, act_max,
+               rounding=Rounding.TFLITE_DOUBLE, out_dtype=np.int8):
+    """Output stage: rescale accumulators, add the output zero point, clamp, narrow."""
+    info = np.iinfo(out_dtype)
+    if not info.min <= act_min <= act_max <= info.max:
+        raise NumericsError(f"activation clamp [{act_min}, {act_max}] is outside {np.dtype(out_dtype).name}")
+    scaled = multiply_by_quantized_multiplier(acc, multiplier, shift, rounding)
+    return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(out_dtype)

@@ -1,0 +1,199 @@
+"""Serialization of command streams: the only module that touches flatc's output.
+
+Decoding is defensive: every length and offset read from the bytes is checked
+against the size of the bytes before it is used, so a truncated or hostile
+file raises ``StreamError`` instead of crashing, hanging or allocating wildly.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import flatbuffers
+import numpy as np
+
+from ._generated import Buffer as fb_buffer
+from ._generated import Command as fb_command
+from ._generated import CommandStream as fb_stream
+from ._generated import Convolution as fb_conv
+from ._generated import DmaCopy as fb_dma
+from ._generated import FeatureMap as fb_fmap
+from .errors import StreamError
+from .isa import (FORMAT_VERSION, PAYLOAD_OF_OPCODE, Buffer, BufferKind, Command, CommandStream,
+                  Convolution, DmaCopy, FeatureMap, MemorySpace, Opcode)
+from .numerics import Rounding
+
+FILE_IDENTIFIER = b"NPUC"
+
+_DMA_FIELDS = ("src_space", "src_buffer", "src_offset", "dst_space", "dst_buffer", "dst_offset",
+               "row_bytes", "rows", "src_stride", "dst_stride")
+_FMAP_FIELDS = ("address", "height", "width", "channels")
+_CONV_FIELDS = ("weights_address", "scale_bias_address", "kernel_h", "kernel_w", "stride_h",
+                "stride_w", "dilation_h", "dilation_w", "pad_top", "pad_left", "pad_bottom",
+                "pad_right", "input_zero_point", "output_zero_point", "act_min", "act_max", "rounding")
+
+
+def _camel(name: str) -> str:
+    return "".join(part.capitalize() for part in name.split("_"))
+
+
+def _flatten_conv(conv: Convolution) -> dict[str, int]:
+    flat = {name: getattr(conv, name) for name in ("weights_address", "scale_bias_address",
+                                                   "input_zero_point", "output_zero_point",
+                                                   "act_min", "act_max")}
+    flat.update(kernel_h=conv.kernel[0], kernel_w=conv.kernel[1], stride_h=conv.stride[0],
+                stride_w=conv.stride[1], dilation_h=conv.dilation[0], dilation_w=conv.dilation[1],
+                pad_top=conv.padding[0], pad_left=conv.padding[1], pad_bottom=conv.padding[2],
+                pad_right=conv.padding[3], rounding=int(conv.rounding))
+    return flat
+
+
+def _unflatten_conv(flat: dict[str, int], ifm: FeatureMap, ofm: FeatureMap) -> Convolution:
+    try:
+        rounding = Rounding(flat["rounding"])
+    except ValueError:
+        raise StreamError(f"unknown rounding mode {flat['rounding']}") from None
+    return Convolution(
+        ifm=ifm, ofm=ofm, weights_address=flat["weights_address"],
+        scale_bias_address=flat["scale_bias_address"],
+        kernel=(flat["kernel_h"], flat["kernel_w"]), stride=(flat["stride_h"], flat["stride_w"]),
+        dilation=(flat["dilation_h"], flat["dilation_w"]),
+        padding=(flat["pad_top"], flat["pad_left"], flat["pad_bottom"], flat["pad_right"]),
+        input_zero_point=flat["input_zero_point"], output_zero_point=flat["output_zero_point"],
+        act_min=flat["act_min"], act_max=flat["act_max"], rounding=rounding)
+
+
+def _add_table(builder, module, prefix: str, scalars: dict[str, int], offsets: dict[str, int]):
+    getattr(module, f"{prefix}Start")(builder)
+    for name, value in {**scalars, **offsets}.items():
+        getattr(module, f"{prefix}Add{_camel(name)}")(builder, int(value))
+    return getattr(module, f"{prefix}End")(builder)
+
+
+def _add_vector(builder, items: list[int]):
+    builder.StartVector(4, len(items), 4)
+    for offset in reversed(items):
+        builder.PrependUOffsetTRelative(offset)
+    return builder.EndVector()
+
+
+def _encode_command(builder, command: Command) -> int:
+    offsets = {"layer": builder.CreateString(command.layer)}
+    payload = command.payload
+    if isinstance(payload, DmaCopy):
+        offsets["dma"] = _add_table(builder, fb_dma, "DmaCopy",
+                                    {f: getattr(payload, f) for f in _DMA_FIELDS}, {})
+    else:
+        fmaps = {name: _add_table(builder, fb_fmap, "FeatureMap",
+                                  {f: getattr(getattr(payload, name), f) for f in _FMAP_FIELDS}, {})
+                 for name in ("ifm", "ofm")}
+        offsets["conv"] = _add_table(builder, fb_conv, "Convolution", _flatten_conv(payload), fmaps)
+    return _add_table(builder, fb_command, "Command", {"opcode": int(command.opcode)}, offsets)
+
+
+def encode_stream(stream: CommandStream) -> bytes:
+    """Serialize a stream; the inverse of :func:`decode_stream`."""
+    for command in stream.commands:
+        if not isinstance(command.payload, PAYLOAD_OF_OPCODE[command.opcode]):
+            raise StreamError(f"{command.opcode.name} cannot carry {type(command.payload).__name__}")
+    builder = flatbuffers.Builder(1024)
+    buffer_offsets = []
+    for buf in stream.buffers:
+        offsets = {"name": builder.CreateString(buf.name), "dtype": builder.CreateString(buf.dtype),
+                   "shape": builder.CreateNumpyVector(np.asarray(buf.shape, dtype=np.int32))}
+        if buf.data:
+            offsets["data"] = builder.CreateByteVector(buf.data)
+        buffer_offsets.append(_add_table(builder, fb_buffer, "Buffer",
+                                         {"kind": int(buf.kind), "size": buf.size}, offsets))
+    command_offsets = [_encode_command(builder, c) for c in stream.commands]
+    root = _add_table(builder, fb_stream, "CommandStream",
+                      {"version_major": stream.version[0], "version_minor": stream.version[1]},
+                      {"name": builder.CreateString(stream.name),
+                       "config": builder.CreateString(stream.config),
+                       "buffers": _add_vector(builder, buffer_offsets),
+                       "commands": _add_vector(builder, command_offsets)})
+    builder.Finish(root, file_identifier=FILE_IDENTIFIER)
+    return bytes(builder.Output())
+
+
+def _text(value) -> str:
+    return value.decode("utf-8") if value is not None else ""
+
+
+def _checked_length(length: int, element_size: int, total: int, what: str) -> int:
+    if length * element_size > total:
+        raise StreamError(f"{what} claims {length} elements, more than the stream's {total} bytes hold")
+    return length
+
+
+def _enum(enum_type, value, what: str):
+    try:
+        return enum_type(value)
+    except ValueError:
+        raise StreamError(f"unknown {what} {value}") from None
+
+
+def _decode_fmap(table, what: str) -> FeatureMap:
+    if table is None:
+        raise StreamError(f"convolution command has no {what}")
+    return FeatureMap(**{f: getattr(table, _camel(f))() for f in _FMAP_FIELDS})
+
+
+def _decode_command(raw, index: int, total: int) -> Command:
+    opcode = _enum(Opcode, raw.Opcode(), "opcode")
+    layer = _text(raw.Layer())
+    if PAYLOAD_OF_OPCODE[opcode] is DmaCopy:
+        table = raw.Dma()
+        if table is None:
+            raise StreamError(f"command {index}: {opcode.name} has no dma payload")
+        fields = {f: getattr(table, _camel(f))() for f in _DMA_FIELDS}
+        fields["src_space"] = _enum(MemorySpace, fields["src_space"], "memory space")
+        fields["dst_space"] = _enum(MemorySpace, fields["dst_space"], "memory space")
+        return Command(opcode, DmaCopy(**fields), layer)
+    table = raw.Conv()
+    if table is None:
+        raise StreamError(f"command {index}: {opcode.name} has no convolution payload")
+    flat = {f: getattr(table, _camel(f))() for f in _CONV_FIELDS}
+    conv = _unflatten_conv(flat, _decode_fmap(table.Ifm(), "ifm"), _decode_fmap(table.Ofm(), "ofm"))
+    return Command(opcode, conv, layer)
+
+
+def _decode_buffer(raw, total: int) -> Buffer:
+    shape_len = _checked_length(raw.ShapeLength(), 4, total, "buffer shape")
+    data_len = _checked_length(raw.DataLength(), 1, total, "buffer data")
+    data = raw.DataAsNumpy().tobytes() if data_len else b""
+    shape = tuple(int(v) for v in raw.ShapeAsNumpy()) if shape_len else ()
+    return Buffer(name=_text(raw.Name()), kind=_enum(BufferKind, raw.Kind(), "buffer kind"),
+                  size=raw.Size(), dtype=_text(raw.Dtype()), shape=shape, data=data)
+
+
+def decode_stream(data: bytes) -> CommandStream:
+    """Parse bytes into a :class:`CommandStream`, raising ``StreamError`` on any defect.
+
+    Only the format is checked here; :func:`simulator.validate.validate_stream`
+    checks that the program is consistent with a hardware configuration.
+    """
+    data = bytes(data)
+    if len(data) < 8:
+        raise StreamError(f"not a command stream: {len(data)} bytes is too short")
+    if data[4:8] != FILE_IDENTIFIER:
+        raise StreamError("not a command stream: missing the 'NPUC' file identifier")
+    try:
+        root = fb_stream.CommandStream.GetRootAs(data, 0)
+        version = (root.VersionMajor(), root.VersionMinor())
+        if version[0] != FORMAT_VERSION[0]:
+            raise StreamError(f"stream format version {version[0]}.{version[1]} is not supported "
+                              f"(this simulator reads {FORMAT_VERSION[0]}.x)")
+        n_buffers = _checked_length(root.BuffersLength(), 4, len(data), "buffer list")
+        n_commands = _checked_length(root.CommandsLength(), 4, len(data), "command list")
+        buffers = tuple(_decode_buffer(root.Buffers(i), len(data)) for i in range(n_buffers))
+        commands = tuple(_decode_command(root.Commands(i), i, len(data)) for i in range(n_commands))
+        return CommandStream(name=_text(root.Name()), config=_text(root.Config()), buffers=buffers,
+                             commands=commands, version=version)
+    except StreamError:
+        raise
+    except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
+        raise StreamError(f"corrupt command stream: {type(exc).__name__}: {exc}") from None
+
+
+__all__ = ["encode_stream", "decode_stream", "FILE_IDENTIFIER"]

@@ -1,0 +1,130 @@
+"""Whole-stream validation against a hardware configuration, before anything runs.
+
+Each rule is one small function raising ``StreamError`` with a one-line reason
+naming the command; ``validate_stream`` applies them all. Running a stream
+that passed validation cannot index outside DRAM buffers or SRAM.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .config import NpuConfig
+from .errors import StreamError
+from .isa import (SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolution, DmaCopy,
+                  MemorySpace, Opcode, conv_output_size, weight_shape)
+
+DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
+
+
+def _check_buffers(stream: CommandStream) -> None:
+    names = set()
+    for index, buf in enumerate(stream.buffers):
+        where = f"buffer {index} ({buf.name!r})"
+        if buf.size <= 0:
+            raise StreamError(f"{where}: size must be positive")
+        if buf.dtype not in DTYPES:
+            raise StreamError(f"{where}: unknown dtype {buf.dtype!r}")
+        if buf.kind == BufferKind.CONSTANT and len(buf.data) != buf.size:
+            raise StreamError(f"{where}: holds {len(buf.data)} bytes but declares {buf.size}")
+        if buf.kind != BufferKind.CONSTANT and buf.data:
+            raise StreamError(f"{where}: only CONSTANT buffers may carry data")
+        if buf.kind in (BufferKind.INPUT, BufferKind.OUTPUT):
+            if buf.name in names:
+                raise StreamError(f"{where}: duplicate input/output name")
+            names.add(buf.name)
+            if any(d <= 0 for d in buf.shape) or int(np.prod(buf.shape)) * DTYPES[buf.dtype] != buf.size:
+                raise StreamError(f"{where}: shape {buf.shape} of {buf.dtype} does not make {buf.size} bytes")
+
+
+def _extent(offset: int, rows: int, stride: int, row_bytes: int) -> int:
+    return offset + (rows - 1) * stride + row_bytes
+
+
+def _check_dma(stream: CommandStream, config: NpuConfig, dma: DmaCopy, where: str) -> None:
+    if dma.rows < 1 or dma.row_bytes < 1:
+        raise StreamError(f"{where}: DMA must move at least one byte")
+    if dma.rows > 1 and (dma.src_stride < dma.row_bytes or dma.dst_stride < dma.row_bytes):
+        raise StreamError(f"{where}: DMA strides shorter than a row would overlap rows")
+    if (dma.src_space == MemorySpace.DRAM) == (dma.dst_space == MemorySpace.DRAM):
+        raise StreamError(f"{where}: DMA must move between DRAM and SRAM")
+    for side, space, buffer, offset, stride in (
+            ("source", dma.src_space, dma.src_buffer, dma.src_offset, dma.src_stride),
+            ("destination", dma.dst_space, dma.dst_buffer, dma.dst_offset, dma.dst_stride)):
+        end = _extent(offset, dma.rows, stride, dma.row_bytes)
+        if space == MemorySpace.SRAM:
+            if end > config.sram_bytes:
+                raise StreamError(f"{where}: DMA {side} ends at SRAM byte {end}, past {config.sram_bytes}")
+            continue
+        if not 0 <= buffer < len(stream.buffers):
+            raise StreamError(f"{where}: DMA {side} names buffer {buffer}, which does not exist")
+        buf = stream.buffers[buffer]
+        if end > buf.size:
+            raise StreamError(f"{where}: DMA {side} ends at byte {end} of {buf.name!r} ({buf.size} bytes)")
+        if side == "destination" and buf.kind in (BufferKind.INPUT, BufferKind.CONSTANT):
+            raise StreamError(f"{where}: DMA writes into {buf.kind.name} buffer {buf.name!r}")
+
+
+def _check_conv(config: NpuConfig, opcode: Opcode, conv: Convolution, where: str) -> None:
+    for name, fmap in (("ifm", conv.ifm), ("ofm", conv.ofm)):
+        if min(fmap.height, fmap.width, fmap.channels) < 1:
+            raise StreamError(f"{where}: {name} dimensions must be positive")
+    if not all(1 <= k <= config.max_kernel for k in conv.kernel):
+        raise StreamError(f"{where}: kernel {conv.kernel} outside 1..{config.max_kernel}")
+    if not all(1 <= s <= config.max_stride for s in conv.stride):
+        raise StreamError(f"{where}: stride {conv.stride} outside 1..{config.max_stride}")
+    if not all(1 <= d <= config.max_dilation for d in conv.dilation):
+        raise StreamError(f"{where}: dilation {conv.dilation} outside 1..{config.max_dilation}")
+    if any(p < 0 for p in conv.padding):
+        raise StreamError(f"{where}: negative padding {conv.padding}")
+    for name, value in (("input_zero_point", conv.input_zero_point),
+                        ("output_zero_point", conv.output_zero_point),
+                        ("act_min", conv.act_min), ("act_max", conv.act_max)):
+        if not -128 <= value <= 127:
+            raise StreamError(f"{where}: {name} {value} is outside int8")
+    if conv.act_min > conv.act_max:
+        raise StreamError(f"{where}: act_min {conv.act_min} > act_max {conv.act_max}")
+    pt, pl, pb, pr = conv.padding
+    expected = (conv_output_size(conv.ifm.height, conv.kernel[0], conv.stride[0], conv.dilation[0], pt, pb),
+                conv_output_size(conv.ifm.width, conv.kernel[1], conv.stride[1], conv.dilation[1], pl, pr))
+    if (conv.ofm.height, conv.ofm.width) != expected:
+        raise StreamError(f"{where}: ofm {conv.ofm.height}x{conv.ofm.width} does not match the "
+                          f"window arithmetic ({expected[0]}x{expected[1]})")
+    if opcode == Opcode.DEPTHWISE_CONV2D and conv.ifm.channels != conv.ofm.channels:
+        raise StreamError(f"{where}: depthwise ifm and ofm channels differ")
+    if opcode == Opcode.FULLY_CONNECTED and (conv.kernel, conv.stride, conv.padding, conv.ifm.width) != (
+            (1, 1), (1, 1), (0, 0, 0, 0), 1):
+        raise StreamError(f"{where}: fully connected takes an Nx1 ifm, 1x1 kernel, no stride or padding")
+    regions = {"ifm": (conv.ifm.address, conv.ifm.size),
+               "ofm": (conv.ofm.address, conv.ofm.size),
+               "weights": (conv.weights_address, int(np.prod(weight_shape(opcode, conv)))),
+               "scale_bias": (conv.scale_bias_address, conv.ofm.channels * SCALE_BIAS_WORDS * 4)}
+    for name, (start, size) in regions.items():
+        if start + size > config.sram_bytes:
+            raise StreamError(f"{where}: {name} ends at SRAM byte {start + size}, past {config.sram_bytes}")
+    if conv.scale_bias_address % 4:
+        raise StreamError(f"{where}: scale_bias table must be 4-byte aligned")
+    ofm_start, ofm_size = regions["ofm"]
+    for name in ("ifm", "weights", "scale_bias"):
+        start, size = regions[name]
+        if start < ofm_start + ofm_size and ofm_start < start + size:
+            raise StreamError(f"{where}: ofm overlaps {name} in SRAM")
+
+
+def _check_command(stream: CommandStream, config: NpuConfig, index: int, command: Command) -> None:
+    where = f"command {index} ({command.opcode.name})"
+    if isinstance(command.payload, DmaCopy):
+        _check_dma(stream, config, command.payload, where)
+    else:
+        _check_conv(config, command.opcode, command.payload, where)
+
+
+def validate_stream(stream: CommandStream, config: NpuConfig) -> None:
+    """Raise ``StreamError`` unless every buffer and command is legal on ``config``."""
+    if stream.config != config.name:
+        raise StreamError(f"stream was compiled for {stream.config!r}, simulator is {config.name!r}")
+    if not stream.buffers_of(BufferKind.OUTPUT):
+        raise StreamError("stream declares no output buffer")
+    _check_buffers(stream)
+    for index, command in enumerate(stream.commands):
+        _check_command(stream, config, index, command)
