@@ -1,0 +1,210 @@
+"""The ``npu`` command: compile | inspect | sim | run.
+
+``inspect`` and ``sim`` import only the simulator (no TVM), so they start fast
+and work where only numpy and flatbuffers are installed. Every failure the
+user can cause ends as one line ``npu: error: <reason>`` and exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from simulator.config import DEFAULT_PRESET, PRESETS
+from simulator.errors import NpuError
+
+
+def _load_npy(path: str) -> np.ndarray:
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise NpuError(f"cannot read input array {path}: {exc}") from None
+
+
+def _named_inputs(pairs: list[str]) -> dict[str, np.ndarray]:
+    inputs = {}
+    for pair in pairs:
+        name, sep, path = pair.partition("=")
+        if not sep:
+            raise NpuError(f"--input takes NAME=FILE.npy, got {pair!r}")
+        inputs[name] = _load_npy(path)
+    return inputs
+
+
+def _read_stream(path: str):
+    from simulator.stream import decode_stream
+
+    try:
+        return decode_stream(Path(path).read_bytes())
+    except OSError as exc:
+        raise NpuError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def cmd_inspect(args) -> int:
+    from simulator.config import get_config
+    from simulator.validate import validate_stream
+
+    stream = _read_stream(args.stream)
+    validate_stream(stream, get_config(stream.config))
+    print(f"stream {stream.name}: format {stream.version[0]}.{stream.version[1]}, preset {stream.config}, "
+          f"{len(stream.buffers)} buffers, {len(stream.commands)} commands (valid)")
+    for i, buf in enumerate(stream.buffers):
+        print(f"  buffer {i:<3} {buf.kind.name:<8} {buf.name:<40} {buf.dtype}{list(buf.shape)} {buf.size} B")
+    for i, cmd in enumerate(stream.commands):
+        fields = ", ".join(f"{k}={v}" for k, v in vars(cmd.payload).items())
+        print(f"  {i:>4} {cmd.layer:<22} {cmd.opcode.name:<17} {fields}")
+    return 0
+
+
+def _print_run_stats(stats) -> None:
+    print(f"{'#':>4} {'layer':<22} {'opcode':<17} {'cycles':>9} {'MACs':>10} {'DRAM rd':>8} {'DRAM wr':>8}")
+    for c in stats.commands:
+        print(f"{c.index:>4} {c.layer:<22} {c.opcode.name:<17} {c.cycles:>9} {c.macs:>10} "
+              f"{c.dram_read_bytes:>8} {c.dram_write_bytes:>8}")
+    print(f"total: {stats.total_cycles} cycles, {stats.total_macs} MACs, {stats.total_dram_bytes} DRAM bytes "
+          f"on {stats.config.name}")
+
+
+def cmd_sim(args) -> int:
+    from simulator.isa import BufferKind
+    from simulator.machine import run_stream
+
+    stream = _read_stream(args.stream)
+    inputs = _named_inputs(args.input or [])
+    if args.random_inputs:
+        rng = np.random.default_rng(args.seed)
+        for _, buf in stream.buffers_of(BufferKind.INPUT):
+            info = np.iinfo(buf.dtype)
+            inputs.setdefault(buf.name, rng.integers(info.min, info.max + 1, buf.shape).astype(buf.dtype))
+    outputs, stats = run_stream(stream, inputs)
+    _print_run_stats(stats)
+    if args.output:
+        np.savez(args.output, **outputs)
+        print(f"outputs {', '.join(outputs)} written to {args.output}")
+    return 0
+
+
+def cmd_compile(args) -> int:
+    import npu_backend
+    from npu_backend.codegen import lower_module
+    from simulator.stream import encode_stream
+
+    mod = npu_backend.partition_for_npu(npu_backend.load_tflite(args.model), args.preset)
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    streams = lower_module(mod)
+    for symbol, stream in streams.items():
+        path = out / f"{symbol}.npucmd"
+        path.write_bytes(encode_stream(stream))
+        print(f"{path}: {len(stream.commands)} commands")
+    report = npu_backend.partition_report(mod)
+    (out / "partition.json").write_text(report.to_json())
+    print(f"{len(streams)} NPU regions; {len(report.npu_ops)} of {len(report.ops)} operators on the NPU "
+          f"(partition report: {out / 'partition.json'})")
+    return 0
+
+
+def _reference_outputs(model: str, inputs: list[np.ndarray]):
+    """TFLite's reference kernels (BUILTIN_REF), or None when ai-edge-litert is absent."""
+    try:
+        from ai_edge_litert.interpreter import Interpreter, OpResolverType
+    except ImportError:
+        return None
+    interpreter = Interpreter(model_path=model, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    interpreter.allocate_tensors()
+    for detail, value in zip(interpreter.get_input_details(), inputs):
+        interpreter.set_tensor(detail["index"], value)
+    interpreter.invoke()
+    return [interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()]
+
+
+def _print_placement(report) -> None:
+    composites = sorted({o.composite for o in report.npu_ops})
+    regions = {o.region for o in report.npu_ops}
+    print(f"NPU: {len(report.npu_ops)} of {len(report.ops)} Relax operators in {len(regions)} regions "
+          f"({', '.join(composites)})")
+    host: dict[tuple[str, str], int] = {}
+    for o in report.host_ops:
+        host[(o.op, o.reason)] = host.get((o.op, o.reason), 0) + 1
+    for (op, reason), count in sorted(host.items()):
+        print(f"host: {count:>3} x {op:<22} {reason}")
+
+
+def cmd_run(args) -> int:
+    import tvm
+    from tvm import relax
+
+    import npu_backend
+
+    mod = npu_backend.load_tflite(args.model)
+    partitioned = npu_backend.partition_for_npu(mod, args.preset)
+    _print_placement(npu_backend.partition_report(partitioned))
+    executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm")
+    vm = relax.VirtualMachine(executable, tvm.cpu())
+    rng = np.random.default_rng(args.seed)
+    inputs = []
+    for param in mod["main"].params:
+        shape, dtype = tuple(int(d) for d in param.ty.shape.values), str(param.ty.dtype)
+        info = np.iinfo(dtype) if np.issubdtype(np.dtype(dtype), np.integer) else None
+        if info is None:
+            raise NpuError(f"input {param.name} is {dtype}; npu run feeds integer models only")
+        inputs.append(rng.integers(info.min, info.max + 1, shape).astype(dtype))
+    if args.input:
+        inputs = [_load_npy(p) for p in args.input]
+    with npu_backend.profile() as prof:
+        result = vm["main"](*[tvm.runtime.tensor(x) for x in inputs])
+    outputs = [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]
+    print(prof.summary())
+    reference = None if args.no_reference else _reference_outputs(args.model, inputs)
+    if reference is None:
+        print("reference: skipped (install ai-edge-litert, e.g. pip install 'npu-backend[reference]')")
+        return 0
+    total = sum(r.size for r in reference)
+    mismatched = sum(int(np.count_nonzero(o != r)) for o, r in zip(outputs, reference))
+    verdict = "MATCH" if mismatched == 0 else "MISMATCH"
+    print(f"reference (TFLite BUILTIN_REF): {verdict}, {total - mismatched} of {total} output elements bit-exact")
+    return 0 if mismatched == 0 else 1
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="npu", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="compile a TFLite model, run it (NPU regions on the simulator), check it")
+    run.add_argument("model")
+    run.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    run.add_argument("--seed", type=int, default=0, help="seed of the random input")
+    run.add_argument("--input", action="append", help="input .npy, one per model input, in order")
+    run.add_argument("--no-reference", action="store_true", help="do not compare with TFLite")
+    run.set_defaults(func=cmd_run)
+    comp = sub.add_parser("compile", help="write one .npucmd command stream per NPU region")
+    comp.add_argument("model")
+    comp.add_argument("-o", "--output", required=True, help="output directory")
+    comp.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    comp.set_defaults(func=cmd_compile)
+    insp = sub.add_parser("inspect", help="validate and print a command stream")
+    insp.add_argument("stream")
+    insp.set_defaults(func=cmd_inspect)
+    sim = sub.add_parser("sim", help="execute a command stream on the simulator")
+    sim.add_argument("stream")
+    sim.add_argument("--input", action="append", help="NAME=FILE.npy for an input buffer")
+    sim.add_argument("--random-inputs", action="store_true", help="fill inputs not given with random values")
+    sim.add_argument("--seed", type=int, default=0)
+    sim.add_argument("--output", help="write outputs to this .npz")
+    sim.set_defaults(func=cmd_sim)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except NpuError as exc:
+        print(f"npu: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""Build and run a one-layer command stream from a ConvParams record (test helper)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from npu_backend.codegen.lower import StreamBuilder, emit_layer, output_multipliers
+from npu_backend.params import ConvParams, NpuOp
+from simulator import BufferKind, CommandStream, run_stream
+
+
+def layer_stream(p: ConvParams, config) -> CommandStream:
+    sb = StreamBuilder(config)
+    src = sb.add_buffer("ifm", BufferKind.INPUT, p.ifm_shape)
+    dst = sb.add_buffer("ofm", BufferKind.OUTPUT, p.ofm_shape)
+    emit_layer(sb, p, f"{p.op.value}_0", src, dst)
+    return CommandStream(name="layer", config=config.name, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
+
+
+def run_layer(p: ConvParams, config, x: np.ndarray):
+    outputs, stats = run_stream(layer_stream(p, config), {"ifm": x}, config)
+    return outputs["ofm"], stats
+
+
+def random_params(rng, op: NpuOp, ifm_shape, out_channels=None, kernel=(3, 3), strides=(1, 1),
+                  dilation=(1, 1), padding=(1, 1, 1, 1), clamp=(-128, 127), per_channel=True) -> ConvParams:
+    from simulator.isa import conv_output_size
+
+    if op == NpuOp.FULLY_CONNECTED:
+        batch, ic = ifm_shape
+        oc = out_channels
+        weights = rng.integers(-127, 128, (oc, ic), dtype=np.int8)
+        ofm_shape, kernel, strides, dilation, padding = (batch, oc), (1, 1), (1, 1), (1, 1), (0, 0, 0, 0)
+    else:
+        _, h, w, ic = ifm_shape
+        oc = ic if op == NpuOp.DEPTHWISE_CONV2D else out_channels
+        shape = (oc, *kernel) if op == NpuOp.DEPTHWISE_CONV2D else (oc, *kernel, ic)
+        weights = rng.integers(-127, 128, shape, dtype=np.int8)
+        oh = conv_output_size(h, kernel[0], strides[0], dilation[0], padding[0], padding[2])
+        ow = conv_output_size(w, kernel[1], strides[1], dilation[1], padding[1], padding[3])
+        ofm_shape = (1, oh, ow, oc)
+    scales = rng.uniform(0.002, 0.02, oc if per_channel else 1).astype(np.float32)
+    return ConvParams(
+        op=op, ifm_shape=tuple(ifm_shape), ofm_shape=ofm_shape, input_scale=float(np.float32(0.05)),
+        input_zero_point=int(rng.integers(-20, 20)), weight_scales=np.broadcast_to(scales, (oc,)).copy(),
+        weight_zero_points=np.zeros(oc, np.int32), per_channel=per_channel, weights=weights,
+        bias=rng.integers(-3000, 3000, oc).astype(np.int32), output_scale=float(np.float32(0.3)),
+        output_zero_point=int(rng.integers(-10, 10)), clamp=clamp, kernel=kernel, strides=strides,
+        dilation=dilation, padding=padding)
+
+
+def reference_layer(p: ConvParams, x: np.ndarray) -> np.ndarray:
+    import reference_kernels as ref
+
+    mult, shift = output_multipliers(p)
+    args = (p.bias.tolist(), mult.tolist(), shift.tolist(), p.input_zero_point, p.output_zero_point, p.clamp)
+    if p.op == NpuOp.FULLY_CONNECTED:
+        return np.array(ref.fully_connected(x.tolist(), p.weights.tolist(), *args), dtype=np.int8)
+    out = ref.conv2d(x[0].tolist(), p.weights.tolist(), *args, stride=p.strides, dilation=p.dilation,
+                     padding=p.padding, depthwise=p.op == NpuOp.DEPTHWISE_CONV2D)
+    return np.array(out, dtype=np.int8)[None]

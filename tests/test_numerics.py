@@ -1,0 +1,80 @@
+"""simulator.numerics against TFLite's definitions and an independent per-element oracle."""
+
+import math
+
+import numpy as np
+import pytest
+
+import reference_kernels as ref
+from simulator import NumericsError
+from simulator.numerics import (Rounding, conv_multipliers, fully_connected_multiplier,
+                                multiply_by_quantized_multiplier, quantize_multiplier, requantize)
+
+
+@pytest.mark.parametrize("real, expected", [
+    (0.5, (1 << 30, 0)),          # frexp(0.5) = 0.5 * 2**0
+    (1.0, (1 << 30, 1)),
+    (0.25, (1 << 30, -1)),
+    (0.0, (0, 0)),
+    (2.0 ** -40, (0, 0)),         # below 2**-31: flushed to zero as TFLite does
+    (0.999999999999, (1 << 30, 1)),  # q*2**31 rounds up to 2**31: halved, shift + 1
+])
+def test_quantize_multiplier_matches_tflite(real, expected):
+    assert quantize_multiplier(real) == expected
+
+
+def test_quantize_multiplier_reconstructs_the_real_value():
+    rng = np.random.default_rng(1)
+    for real in rng.uniform(1e-6, 0.99, 200):
+        m, s = quantize_multiplier(float(real))
+        assert (1 << 30) <= m < (1 << 31)
+        assert math.isclose(m * 2.0 ** (s - 31), real, rel_tol=2 ** -30)
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), 2.0 ** 31])
+def test_quantize_multiplier_rejects_unrepresentable(bad):
+    with pytest.raises(NumericsError):
+        quantize_multiplier(bad)
+
+
+def test_fc_multiplier_multiplies_scales_in_float32():
+    s_in, s_w, s_out = np.float32(0.0123), np.float32(0.00457), np.float32(0.031)
+    m, s = fully_connected_multiplier(s_in, s_w, s_out)
+    assert (int(m[0]), int(s[0])) == quantize_multiplier(float(np.float32(s_in * s_w)) / float(s_out))
+    mc, sc = conv_multipliers(s_in, [s_w], s_out)
+    assert (int(mc[0]), int(sc[0])) == quantize_multiplier(float(s_in) * float(s_w) / float(s_out))
+
+
+def test_vectorized_requantize_equals_scalar_oracle():
+    rng = np.random.default_rng(7)
+    acc = np.concatenate([rng.integers(-(1 << 24), 1 << 24, 4000),
+                          [ref.INT32_MIN, ref.INT32_MAX, 0, -1, 1, (1 << 20) + (1 << 19), -(1 << 19)]])
+    for real in (0.3, 0.0009765625, 0.75, 1.5, 2.0 ** -20, 0.1234567):
+        m, s = quantize_multiplier(real)
+        got = multiply_by_quantized_multiplier(acc, m, s)
+        want = [ref.multiply_by_quantized_multiplier(int(a), m, s) for a in acc]
+        assert got.tolist() == want
+
+
+def test_exact_ties_round_away_from_zero():
+    m, s = 1 << 30, -1  # x * 0.25 exactly
+    assert multiply_by_quantized_multiplier(np.array([2, -2, 6, -6]), m, s).tolist() == [1, -1, 2, -2]
+
+
+def test_single_rounding_rounds_half_up():
+    m, s = 1 << 30, -1
+    got = multiply_by_quantized_multiplier(np.array([2, -2, 6, -6]), m, s, Rounding.TFLITE_SINGLE)
+    assert got.tolist() == [1, 0, 2, -1]
+
+
+@pytest.mark.parametrize("shift", [-32, 31])
+def test_out_of_range_shift_raises(shift):
+    with pytest.raises(NumericsError, match="shift"):
+        multiply_by_quantized_multiplier(np.array([5]), 1 << 30, shift)
+
+
+def test_requantize_clamps_and_checks_its_range():
+    m, s = quantize_multiplier(1.0)
+    assert requantize(np.array([-500, 3, 500]), m, s, 10, -128, 100).tolist() == [-128, 13, 100]
+    with pytest.raises(NumericsError):
+        requantize(np.array([1]), m, s, 0, -129, 127)

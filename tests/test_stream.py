@@ -1,0 +1,131 @@
+"""Command-stream format: round trip, decoded fields, and rejection of malformed bytes."""
+
+import dataclasses
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from layer_streams import layer_stream, random_params
+from npu_backend.params import NpuOp
+from simulator import (FORMAT_VERSION, BufferKind, CommandStream, DmaCopy, MemorySpace, Opcode,
+                       StreamError, decode_stream, encode_stream, get_config, run_stream, validate_stream)
+
+CONFIG = get_config("npu-256")
+
+
+@pytest.fixture(scope="module")
+def conv_stream() -> CommandStream:
+    p = random_params(np.random.default_rng(3), NpuOp.CONV2D, (1, 8, 8, 4), out_channels=6, strides=(2, 2),
+                      padding=(0, 0, 1, 1), clamp=(-100, 127))
+    return layer_stream(p, CONFIG)
+
+
+def test_round_trip_preserves_every_field(conv_stream):
+    decoded = decode_stream(encode_stream(conv_stream))
+    assert decoded == conv_stream
+    conv = next(c for c in decoded.commands if c.opcode == Opcode.CONV2D).payload
+    assert (conv.kernel, conv.stride, conv.padding) == ((3, 3), (2, 2), (0, 0, 1, 1))
+    assert (conv.ifm.height, conv.ifm.width, conv.ifm.channels) == (8, 8, 4)
+    assert (conv.ofm.height, conv.ofm.width, conv.ofm.channels) == (4, 4, 6)
+    assert (conv.act_min, conv.act_max) == (-100, 127)
+    assert decoded.version == FORMAT_VERSION
+    kinds = [b.kind for b in decoded.buffers]
+    assert kinds == [BufferKind.INPUT, BufferKind.OUTPUT, BufferKind.CONSTANT, BufferKind.CONSTANT]
+
+
+def _corrupt(data: bytes, offset: int, value: bytes) -> bytes:
+    return data[:offset] + value + data[offset + len(value):]
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda d: d[:5], "too short"),
+    (lambda d: _corrupt(d, 4, b"XXXX"), "identifier"),
+    (lambda d: d[:len(d) // 3], "corrupt|claims"),
+    (lambda d: b"\x00" * 4 + b"NPUC" + b"\xff" * 64, "corrupt|claims|version"),
+])
+def test_malformed_bytes_raise_stream_error(conv_stream, mutate, message):
+    with pytest.raises(StreamError, match=message):
+        decode_stream(mutate(encode_stream(conv_stream)))
+
+
+def test_other_major_version_is_refused(conv_stream):
+    newer = dataclasses.replace(conv_stream, version=(FORMAT_VERSION[0] + 1, 0))
+    with pytest.raises(StreamError, match="version 2.0 is not supported"):
+        decode_stream(encode_stream(newer))
+
+
+def _with_command(stream, index, **changes):
+    commands = list(stream.commands)
+    commands[index] = dataclasses.replace(commands[index], payload=dataclasses.replace(commands[index].payload, **changes))
+    return dataclasses.replace(stream, commands=tuple(commands))
+
+
+def _conv_index(stream):
+    return next(i for i, c in enumerate(stream.commands) if c.opcode == Opcode.CONV2D)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(row_bytes=10**6), "past|ends at byte"),
+    (dict(src_buffer=99), "does not exist"),
+    (dict(dst_space=MemorySpace.DRAM), "between DRAM and SRAM"),
+])
+def test_validation_rejects_bad_dma(conv_stream, changes, message):
+    with pytest.raises(StreamError, match=message):
+        validate_stream(_with_command(conv_stream, 0, **changes), CONFIG)
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(stride=(4, 4)), "stride"),
+    (dict(kernel=(9, 9)), "kernel"),
+    (dict(act_min=50, act_max=10), "act_min"),
+    (dict(padding=(2, 2, 2, 2)), "window arithmetic"),
+    (dict(weights_address=CONFIG.sram_bytes - 8), "past"),
+    (dict(input_zero_point=300), "outside int8"),
+])
+def test_validation_rejects_bad_convolution(conv_stream, changes, message):
+    with pytest.raises(StreamError, match=message):
+        validate_stream(_with_command(conv_stream, _conv_index(conv_stream), **changes), CONFIG)
+
+
+def test_stream_runs_only_on_its_preset(conv_stream):
+    with pytest.raises(StreamError, match="compiled for 'npu-256'"):
+        validate_stream(conv_stream, get_config("npu-1024"))
+
+
+def test_writes_into_constants_are_refused(conv_stream):
+    bad = DmaCopy(MemorySpace.SRAM, -1, 0, MemorySpace.DRAM, 2, 0, 4)
+    stream = dataclasses.replace(conv_stream, commands=(conv_stream.commands[0].__class__(Opcode.DMA_COPY, bad),))
+    with pytest.raises(StreamError, match="writes into CONSTANT"):
+        validate_stream(stream, CONFIG)
+
+
+def test_statistics_add_up(conv_stream):
+    x = np.zeros((1, 8, 8, 4), np.int8)
+    _, stats = run_stream(encode_stream(conv_stream), {"ifm": x})
+    assert stats.total_cycles == sum(c.cycles for c in stats.commands) > 0
+    assert stats.total_dram_bytes == sum(c.dram_read_bytes + c.dram_write_bytes for c in stats.commands)
+    moved = [c.payload.bytes_moved for c in conv_stream.commands if c.opcode == Opcode.DMA_COPY]
+    assert stats.total_dram_bytes == sum(moved)
+    assert stats.total_macs == 4 * 4 * 6 * 3 * 3 * 4
+
+
+def test_simulator_does_not_import_tvm():
+    code = "import sys, simulator; assert 'tvm' not in sys.modules, 'tvm imported'; print('ok')"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "ok", result.stderr
+
+
+def test_opcode_table_is_complete():
+    from simulator._generated.Opcode import Opcode as Generated
+    from simulator.cycles import COST_MODELS
+    from simulator.isa import PAYLOAD_OF_OPCODE
+    from simulator.kernels import KERNELS
+    from npu_backend.codegen.lower import OPCODE_OF_OP
+
+    generated = {name: value for name, value in vars(Generated).items() if not name.startswith("_")}
+    assert generated == {op.name: op.value for op in Opcode}
+    for op in Opcode:
+        assert op in PAYLOAD_OF_OPCODE and op in KERNELS and op in COST_MODELS
+    assert set(OPCODE_OF_OP.values()) == set(Opcode) - {Opcode.DMA_COPY}
