@@ -1,0 +1,116 @@
+"""Hand-built Relax modules in the exact shapes TVM 0.27's TFLite importer emits.
+
+Building them here (instead of importing .tflite files) lets a pattern test
+vary one thing at a time: a kernel one past the limit, a bias scale that is off,
+weights that are not constants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import tvm
+from tvm import relax
+
+
+def f32(v):
+    return relax.const(np.asarray(v, dtype=np.float32))
+
+
+def i32(v):
+    return relax.const(np.asarray(v, dtype=np.int32))
+
+
+@dataclass
+class ConvIdiom:
+    """Parameters of one quantized conv/depthwise/FC as the importer writes it."""
+
+    op: str = "conv2d"                   # conv2d | depthwise | fc
+    x_shape: tuple = (1, 8, 8, 4)
+    out_channels: int = 6
+    kernel: tuple = (3, 3)
+    strides: tuple = (1, 1)
+    dilation: tuple = (1, 1)
+    padding: tuple = (1, 1, 1, 1)
+    per_channel: bool = True
+    clip: tuple | None = (-128, 127)
+    bias: bool = True
+    input_scale: float = 0.0078125
+    input_zero_point: int = -3
+    output_scale: float = 0.05
+    output_zero_point: int = 5
+    weight_zero_point: int = 0
+    bias_scale_factor: float = 1.0       # != 1: a bias not in the accumulator domain
+    weight_is_param: bool = False        # weights arrive as a function argument
+    float_graph: bool = False            # no quantization at all
+    seed: int = 0
+    weights: np.ndarray = field(init=False, default=None)
+    weight_scales: np.ndarray = field(init=False, default=None)
+    bias_values: np.ndarray = field(init=False, default=None)
+
+    def __post_init__(self):
+        rng = np.random.default_rng(self.seed)
+        c = self.x_shape[-1]
+        if self.op == "depthwise":
+            self.out_channels = c
+            shape = (1, *self.kernel, c)                 # TFLite [1, KH, KW, C]
+        elif self.op == "fc":
+            shape = (self.out_channels, c)               # TFLite [OC, IC]
+        else:
+            shape = (*self.kernel, c, self.out_channels)  # HWIO after the importer's transpose
+        self.weights = rng.integers(-127, 128, shape, dtype=np.int8)
+        count = self.out_channels if self.per_channel else 1
+        self.weight_scales = rng.uniform(0.001, 0.01, count).astype(np.float32)
+        self.bias_values = rng.integers(-500, 500, self.out_channels).astype(np.int32)
+
+    def module(self) -> tvm.IRModule:
+        bb = relax.BlockBuilder()
+        x = relax.Var("x", relax.TensorType(self.x_shape, "float32" if self.float_graph else "int8"))
+        params = [x]
+        w_dtype = "float32" if self.float_graph else "int8"
+        if self.weight_is_param:
+            w_expr = relax.Var("w", relax.TensorType(self.weights.shape, w_dtype))
+            params.append(w_expr)
+        else:
+            w_expr = relax.const(self.weights.astype(w_dtype))
+        with bb.function("main", params):
+            with bb.dataflow():
+                out = bb.emit_output(self._body(bb, x, w_expr))
+            bb.emit_func_output(out)
+        return bb.get()
+
+    def _scale_axis(self):
+        scales = self.weight_scales if self.per_channel else self.weight_scales[0]
+        return f32(scales), i32(np.full(np.shape(scales), self.weight_zero_point))
+
+    def _body(self, bb, x, w):
+        if self.float_graph:
+            conv = bb.emit(relax.op.nn.conv2d(x, w, strides=self.strides, padding=self.padding,
+                                              dilation=self.dilation, data_layout="NHWC", kernel_layout="HWIO"))
+            return relax.op.nn.relu(conv)
+        dq_x = bb.emit(relax.op.dequantize(x, f32(self.input_scale), i32(self.input_zero_point), axis=0))
+        scale, zp = self._scale_axis()
+        if self.op == "depthwise":
+            c = self.x_shape[-1]
+            dq_w = bb.emit(relax.op.dequantize(w, scale, zp, axis=3 if self.per_channel else 0))
+            dq_w = bb.emit(relax.op.reshape(dq_w, (*self.kernel, c, 1)))
+            acc = bb.emit(relax.op.nn.conv2d(dq_x, dq_w, strides=self.strides, padding=self.padding,
+                                             dilation=self.dilation, groups=c, data_layout="NHWC",
+                                             kernel_layout="HWOI"))
+        elif self.op == "fc":
+            wt = bb.emit(relax.op.permute_dims(w, [1, 0]))
+            dq_w = bb.emit(relax.op.dequantize(wt, scale, zp, axis=1))
+            acc = bb.emit(relax.op.matmul(dq_x, dq_w))
+        else:
+            dq_w = bb.emit(relax.op.dequantize(w, scale, zp, axis=3 if self.per_channel else 0))
+            acc = bb.emit(relax.op.nn.conv2d(dq_x, dq_w, strides=self.strides, padding=self.padding,
+                                             dilation=self.dilation, data_layout="NHWC", kernel_layout="HWIO"))
+        if self.bias:
+            bias_scale = np.float32(self.input_scale) * self.weight_scales * np.float32(self.bias_scale_factor)
+            dq_b = bb.emit(relax.op.dequantize(i32(self.bias_values), f32(bias_scale), i32(0), axis=0))
+            acc = bb.emit(relax.op.add(acc, dq_b))
+        q = relax.op.quantize(acc, f32(self.output_scale), i32(self.output_zero_point), axis=0, out_dtype="int8")
+        if self.clip is None:
+            return q
+        return relax.op.clip(bb.emit(q), float(self.clip[0]), float(self.clip[1]))

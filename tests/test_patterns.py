@@ -1,0 +1,157 @@
+"""The npu pattern table: what matches, the exact qparams extracted, and what must not match."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import npu_backend
+from npu_backend.params import NpuOp, from_attrs
+from npu_backend.patterns import PREFIX, registered_patterns
+from relax_idioms import ConvIdiom
+
+
+def composites(mod):
+    """[(composite name, ConvParams)] of every NPU composite, in region order."""
+    found = []
+    for func in mod.functions.values():
+        if func.attrs is not None and func.attrs.get("Codegen") == PREFIX:
+            for block in func.body.blocks:
+                for binding in block.bindings:
+                    if isinstance(binding.value, relax.Function):
+                        attrs = binding.value.attrs
+                        found.append((str(attrs["Composite"]), from_attrs(attrs)))
+    return found
+
+
+def partition(idiom: ConvIdiom):
+    mod = npu_backend.partition_for_npu(idiom.module())
+    return mod, composites(mod), npu_backend.partition_report(mod)
+
+
+def test_registry_order_puts_fused_activation_first():
+    entries = registered_patterns()
+    names = [e.name for e in entries]
+    assert names == ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected"] * 2
+    assert all("relax.clip" in str(e.pattern) for e in entries[:3])
+    assert not any("relax.clip" in str(e.pattern) for e in entries[3:])
+
+
+def test_conv2d_per_channel_with_relu_clip():
+    idiom = ConvIdiom(op="conv2d", strides=(2, 2), padding=(0, 0, 1, 1), clip=(5, 127))
+    mod, found, report = partition(idiom)
+    assert [name for name, _ in found] == ["npu.conv2d"]
+    p = found[0][1]
+    assert p.op == NpuOp.CONV2D
+    assert p.input_scale == np.float32(idiom.input_scale) and p.input_zero_point == -3
+    assert p.output_scale == np.float32(0.05) and p.output_zero_point == 5
+    assert p.per_channel and p.weight_axis == 0
+    np.testing.assert_array_equal(p.weight_scales, idiom.weight_scales)  # exact float32
+    np.testing.assert_array_equal(p.weight_zero_points, 0)
+    np.testing.assert_array_equal(p.weights, np.transpose(idiom.weights, (3, 0, 1, 2)))
+    np.testing.assert_array_equal(p.bias, idiom.bias_values)
+    assert p.clamp == (5, 127)
+    assert (p.kernel, p.strides, p.dilation, p.padding) == ((3, 3), (2, 2), (1, 1), (0, 0, 1, 1))
+    assert p.ifm_shape == (1, 8, 8, 4) and p.ofm_shape == (1, 4, 4, 6)
+    assert not report.host_ops
+
+
+def test_conv2d_per_tensor_without_bias_or_clip():
+    idiom = ConvIdiom(per_channel=False, bias=False, clip=None)
+    _, found, _ = partition(idiom)
+    (name, p), = found
+    assert name == "npu.conv2d" and not p.per_channel
+    np.testing.assert_array_equal(p.weight_scales, np.full(6, idiom.weight_scales[0]))
+    np.testing.assert_array_equal(p.bias, np.zeros(6))
+    assert p.clamp == (-128, 127)
+
+
+def test_depthwise_per_channel_behind_reshape():
+    idiom = ConvIdiom(op="depthwise", x_shape=(1, 8, 8, 5), clip=(-128, 90))
+    _, found, _ = partition(idiom)
+    (name, p), = found
+    assert name == "npu.depthwise_conv2d" and p.per_channel
+    np.testing.assert_array_equal(p.weights, np.transpose(idiom.weights[0], (2, 0, 1)))
+    np.testing.assert_array_equal(p.weight_scales, idiom.weight_scales)
+    assert p.clamp == (-128, 90) and p.ofm_shape == (1, 8, 8, 5)
+
+
+def test_depthwise_per_tensor():
+    idiom = ConvIdiom(op="depthwise", per_channel=False)
+    _, found, _ = partition(idiom)
+    (name, p), = found
+    assert name == "npu.depthwise_conv2d" and not p.per_channel
+
+
+def test_fully_connected_behind_permute_dims():
+    idiom = ConvIdiom(op="fc", x_shape=(2, 16), out_channels=7, per_channel=False, clip=None)
+    _, found, _ = partition(idiom)
+    (name, p), = found
+    assert name == "npu.fully_connected"
+    np.testing.assert_array_equal(p.weights, idiom.weights)  # already [OC, IC]
+    assert p.ifm_shape == (2, 16) and p.ofm_shape == (2, 7) and not p.per_channel
+
+
+def test_float_conv2d_does_not_match():
+    mod, found, report = partition(ConvIdiom(float_graph=True))
+    assert found == []
+    assert {(o.op, o.reason) for o in report.host_ops} == {
+        ("relax.nn.conv2d", "no NPU pattern covers this operator"),
+        ("relax.nn.relu", "no NPU pattern covers this operator")}
+
+
+def test_weights_that_are_not_constants_do_not_match():
+    mod, found, report = partition(ConvIdiom(weight_is_param=True))
+    assert found == []
+    assert report.npu_ops == []
+
+
+@pytest.mark.parametrize("field, ok, bad, reason", [
+    ("kernel", (8, 8), (9, 9), "kernel 9x9 exceeds the NPU maximum of 8"),
+    ("strides", (3, 3), (4, 4), "stride (4, 4) exceeds the NPU maximum of 3"),
+])
+def test_hardware_limits_at_and_past_the_edge(field, ok, bad, reason):
+    base = dict(x_shape=(1, 20, 20, 2), padding=(0, 0, 0, 0))
+    _, found, _ = partition(ConvIdiom(**base, **{field: ok}))
+    assert [name for name, _ in found] == ["npu.conv2d"]
+    _, found, report = partition(ConvIdiom(**base, **{field: bad}))
+    assert found == []
+    conv_rows = [o for o in report.host_ops if o.op == "relax.nn.conv2d"]
+    assert len(conv_rows) == 1 and f"npu.conv2d: {reason}" in conv_rows[0].reason
+
+
+def test_dilation_limit():
+    _, found, _ = partition(ConvIdiom(x_shape=(1, 20, 20, 2), dilation=(4, 4), padding=(0, 0, 0, 0)))
+    assert len(found) == 1
+    _, found, report = partition(ConvIdiom(x_shape=(1, 20, 20, 2), dilation=(5, 5), padding=(0, 0, 0, 0)))
+    assert found == [] and "dilation (5, 5) exceeds" in report.host_ops[2].reason
+
+
+@pytest.mark.parametrize("idiom, reason", [
+    (ConvIdiom(bias_scale_factor=1.01), "bias scale is not input_scale * weight_scale"),
+    (ConvIdiom(weight_zero_point=3), "weight zero points must be 0"),
+])
+def test_inconsistent_qparams_stay_on_host_with_reason(idiom, reason):
+    _, found, report = partition(idiom)
+    assert found == []
+    conv = next(o for o in report.host_ops if o.op == "relax.nn.conv2d")
+    assert reason in conv.reason
+
+
+def test_layer_too_large_for_sram_is_rejected():
+    idiom = ConvIdiom(x_shape=(1, 4, 2000, 64), out_channels=8, kernel=(1, 1), padding=(0, 0, 0, 0))
+    _, found, report = partition(idiom)
+    small = npu_backend.partition_for_npu(idiom.module(), preset="npu-tiny")
+    assert len(found) == 1
+    conv = next(o for o in npu_backend.partition_report(small).host_ops if o.op == "relax.nn.conv2d")
+    assert "cannot be tiled" in conv.reason
+
+
+def test_composites_carry_qparams_that_survive_the_text_round_trip():
+    mod, _, _ = partition(ConvIdiom())
+    region = next(f for f in mod.functions.values() if f.attrs is not None and f.attrs.get("Codegen") == "npu")
+    inner = next(b.value for blk in region.body.blocks for b in blk.bindings if isinstance(b.value, relax.Function))
+    keys = set(inner.attrs.keys())
+    assert {"npu.input_scale", "npu.input_zero_point", "npu.weight_scales", "npu.weight_axis", "npu.bias",
+            "npu.output_scale", "npu.output_zero_point", "npu.clamp", "npu.rounding"} <= keys
+    assert str(inner.attrs["npu.rounding"]) == "TFLITE_DOUBLE"
