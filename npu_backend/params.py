@@ -1,4 +1,4 @@
-"""The canonical parameter record of a MAC-array operator and its attribute encoding.
+"""The canonical parameter records of NPU operators and their attribute encoding.
 
 A matched composite is turned into a :class:`ConvParams` once (by the
 pattern table's ``extract_*`` functions); the record is written onto the
@@ -6,8 +6,10 @@ composite function as ``npu.*`` attributes, and the codegen rebuilds the
 record from those attributes. Nothing downstream re-derives a qparam from the
 operator body, so what a user reads on the composite is what runs.
 
-Attribute schema (every composite ``npu.conv2d``, ``npu.depthwise_conv2d``,
-``npu.fully_connected``):
+Attribute schema of ``npu.conv2d``, ``npu.depthwise_conv2d`` and
+``npu.fully_connected`` (``npu.add`` and ``npu.mean`` use the same names for
+the qparams they have: ``npu.input2_scale`` / ``npu.input2_zero_point`` for the
+second addend, ``npu.shape`` for the elementwise shape):
 
 =========================  ===========================================================
 ``npu.op``                 operator kind (``conv2d`` / ``depthwise_conv2d`` / ``fully_connected``)
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 from enum import Enum
+from typing import get_type_hints
 
 import numpy as np
 import tvm
@@ -44,6 +47,8 @@ class NpuOp(str, Enum):
     CONV2D = "conv2d"
     DEPTHWISE_CONV2D = "depthwise_conv2d"
     FULLY_CONNECTED = "fully_connected"
+    ADD = "add"
+    MEAN = "mean"
 
 
 @dataclass(frozen=True)
@@ -75,47 +80,82 @@ class ConvParams:
         return int(self.weights.shape[0])
 
 
-_TENSOR_FIELDS = {"weight_scales": "float32", "weight_zero_points": "int32", "weights": "int8",
-                  "bias": "int32"}
-_FLOAT_FIELDS = ("input_scale", "output_scale")
+@dataclass(frozen=True)
+class AddParams:
+    """An int8 elementwise addition of two same-shaped tensors (TFLite ADD)."""
+
+    op: NpuOp
+    shape: tuple[int, ...]
+    input_scale: float
+    input_zero_point: int
+    input2_scale: float
+    input2_zero_point: int
+    output_scale: float
+    output_zero_point: int
+    clamp: tuple[int, int]
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
 
 
-def to_attrs(params: ConvParams) -> dict[str, object]:
-    """Encode the record as ``npu.*`` function attributes (float32 scales stay exact)."""
+@dataclass(frozen=True)
+class MeanParams:
+    """An int8 mean over the height and width of an NHWC tensor (TFLite MEAN, axes 1 and 2)."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    ofm_shape: tuple[int, ...]
+    input_scale: float
+    input_zero_point: int
+    output_scale: float
+    output_zero_point: int
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+
+
+NpuParams = ConvParams | AddParams | MeanParams
+
+RECORD_OF_OP = {
+    NpuOp.CONV2D: ConvParams,
+    NpuOp.DEPTHWISE_CONV2D: ConvParams,
+    NpuOp.FULLY_CONNECTED: ConvParams,
+    NpuOp.ADD: AddParams,
+    NpuOp.MEAN: MeanParams,
+}
+
+
+def to_attrs(params: NpuParams) -> dict[str, object]:
+    """Encode a record as ``npu.*`` function attributes (float32 scales stay exact)."""
     attrs: dict[str, object] = {}
     for f in fields(params):
         value = getattr(params, f.name)
         key = f"npu.{f.name}"
-        if f.name in _TENSOR_FIELDS:
-            attrs[key] = tvm.runtime.tensor(np.ascontiguousarray(value, dtype=_TENSOR_FIELDS[f.name]))
-        elif f.name in _FLOAT_FIELDS:
-            attrs[key] = tvm.tirx.FloatImm("float32", float(np.float32(value)))
+        if isinstance(value, np.ndarray):
+            attrs[key] = tvm.runtime.tensor(np.ascontiguousarray(value))
         elif isinstance(value, Enum):
             attrs[key] = value.name
         elif isinstance(value, bool):
             attrs[key] = tvm.tirx.IntImm("bool", value)
+        elif isinstance(value, float):
+            attrs[key] = tvm.tirx.FloatImm("float32", float(np.float32(value)))
         else:
             attrs[key] = value
     return attrs
 
 
-def from_attrs(attrs) -> ConvParams:
-    """Rebuild the record from a composite function's attributes."""
-    values = {}
-    for f in fields(ConvParams):
-        raw = attrs[f"npu.{f.name}"]
-        if f.name in _TENSOR_FIELDS:
-            values[f.name] = raw.numpy()
-        elif f.name in _FLOAT_FIELDS:
-            values[f.name] = float(np.float32(raw.value))
-        elif f.name == "op":
-            values[f.name] = NpuOp[str(raw)]
-        elif f.name == "rounding":
-            values[f.name] = Rounding[str(raw)]
-        elif f.name == "per_channel":
-            values[f.name] = bool(raw)
-        elif isinstance(raw, (int, tvm.tirx.IntImm)):
-            values[f.name] = int(raw)
-        else:
-            values[f.name] = tuple(int(v) for v in raw)
-    return ConvParams(**values)
+def _decode(kind, raw):
+    if kind is np.ndarray:
+        return raw.numpy()
+    if kind is float:
+        return float(np.float32(raw.value))
+    if kind is bool:
+        return bool(raw)
+    if kind is int:
+        return int(raw)
+    if isinstance(kind, type) and issubclass(kind, Enum):
+        return kind[str(raw)]
+    return tuple(int(v) for v in raw)
+
+
+def from_attrs(attrs) -> NpuParams:
+    """Rebuild the record of a composite function from its attributes."""
+    cls = RECORD_OF_OP[NpuOp[str(attrs["npu.op"])]]
+    hints = get_type_hints(cls)
+    return cls(**{f.name: _decode(hints[f.name], attrs[f"npu.{f.name}"]) for f in fields(cls)})

@@ -20,7 +20,7 @@ def _match_annotations(entry, func: relax.Function) -> dict:
     """Re-match the entry's pattern on a fused composite to recover the named sub-expressions."""
     var2val = relax.analysis.get_var2val(func)
     root = var2val.get(func.body.body, func.body.body)
-    for with_clip in (True, False):
+    for with_clip in (True, False) if entry.clip_variant else (False,):
         pattern, annotations = entry.build(with_clip)
         matched = pattern.extract_matched_expr(root, var2val)
         if matched is not None:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from .config import NpuConfig
-from .isa import Command, Convolution, DmaCopy, MemorySpace, Opcode
+from .isa import Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Reduction
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,26 @@ def _fully_connected_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) 
     return _mac_cost(conv, config, macs, array)
 
 
+def _add_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:
+    """Elementwise unit: two input reads and one output write per element, output_lanes wide."""
+    return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
+
+
+def _mean_cost(opcode: Opcode, op: Reduction, config: NpuConfig) -> CommandCost:
+    """The accumulators sum mac_rows channels per cycle; the output stage then rescales them."""
+    pixels = op.ifm.height * op.ifm.width
+    array = pixels * math.ceil(op.ifm.channels / config.mac_rows)
+    return CommandCost(cycles=config.command_overhead_cycles + array
+                       + math.ceil(op.ofm.channels / config.output_lanes))
+
+
 COST_MODELS = {
     Opcode.DMA_COPY: _dma_cost,
     Opcode.CONV2D: _conv2d_cost,
     Opcode.DEPTHWISE_CONV2D: _depthwise_cost,
     Opcode.FULLY_CONNECTED: _fully_connected_cost,
+    Opcode.ADD: _add_cost,
+    Opcode.MEAN: _mean_cost,
 }
 
 

@@ -23,6 +23,8 @@ class Opcode(IntEnum):
     CONV2D = 1
     DEPTHWISE_CONV2D = 2
     FULLY_CONNECTED = 3
+    ADD = 4
+    MEAN = 5
 
 
 class BufferKind(IntEnum):
@@ -103,6 +105,43 @@ class Convolution:
     rounding: Rounding = Rounding.TFLITE_DOUBLE
 
 
+@dataclass(frozen=True)
+class Elementwise:
+    """Operands of a TFLite-style int8 ADD; see command_stream.fbs."""
+
+    ifm: FeatureMap
+    ifm2: FeatureMap
+    ofm: FeatureMap
+    input_zero_point: int
+    input2_zero_point: int
+    output_zero_point: int
+    input_multiplier: int
+    input_shift: int
+    input2_multiplier: int
+    input2_shift: int
+    output_multiplier: int
+    output_shift: int
+    left_shift: int
+    act_min: int = -128
+    act_max: int = 127
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """Operands of a spatial MEAN; see command_stream.fbs."""
+
+    ifm: FeatureMap
+    ofm: FeatureMap
+    input_zero_point: int
+    output_zero_point: int
+    multiplier: int
+    shift: int
+    act_min: int = -128
+    act_max: int = 127
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+
+
 SCALE_BIAS_WORDS = 3
 """int32 words per output channel in the scale/bias table: bias, multiplier, shift."""
 
@@ -110,7 +149,7 @@ SCALE_BIAS_WORDS = 3
 @dataclass(frozen=True)
 class Command:
     opcode: Opcode
-    payload: DmaCopy | Convolution
+    payload: DmaCopy | Convolution | Elementwise | Reduction
     layer: str = ""
 
 
@@ -150,5 +189,7 @@ PAYLOAD_OF_OPCODE: dict[Opcode, type] = {
     Opcode.CONV2D: Convolution,
     Opcode.DEPTHWISE_CONV2D: Convolution,
     Opcode.FULLY_CONNECTED: Convolution,
+    Opcode.ADD: Elementwise,
+    Opcode.MEAN: Reduction,
 }
 """The one table saying which payload each opcode carries (encoder, decoder, validator)."""

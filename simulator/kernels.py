@@ -19,8 +19,9 @@ import numpy as np
 
 from .config import NpuConfig
 from .errors import NpuError
-from .isa import SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, MemorySpace, Opcode, weight_shape
-from .numerics import requantize, wrap_signed
+from .isa import (SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode,
+                  Reduction, weight_shape)
+from .numerics import Rounding, elementwise_add, requantize, requantize_float, wrap_signed
 
 
 @dataclass
@@ -95,12 +96,43 @@ ACCUMULATE = {
 def run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
     weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8).astype(np.float64)
     table = _read(state, conv.scale_bias_address, (conv.ofm.channels, SCALE_BIAS_WORDS), np.int32)
-    bias, multiplier, shift = (table[:, i].astype(np.int64) for i in range(SCALE_BIAS_WORDS))
+    bias = table[:, 0].astype(np.int64)
     acc = ACCUMULATE[opcode](_padded_input(state, conv), weights, conv).astype(np.int64) + bias
     acc = wrap_signed(acc, config.accumulator_bits)
-    out = requantize(acc, multiplier, shift, conv.output_zero_point, conv.act_min, conv.act_max,
-                     conv.rounding)
+    if conv.rounding == Rounding.FLOAT64:
+        scales = np.ascontiguousarray(table[:, 1:3]).view(np.float64).reshape(-1)
+        out = requantize_float(acc, scales, conv.output_zero_point, conv.act_min, conv.act_max)
+    else:
+        out = requantize(acc, table[:, 1].astype(np.int64), table[:, 2].astype(np.int64),
+                         conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
     state.sram[conv.ofm.address:conv.ofm.address + conv.ofm.size] = out.reshape(-1).view(np.uint8)
+
+
+def _fmap(state: MachineState, fmap: FeatureMap) -> np.ndarray:
+    return _read(state, fmap.address, (fmap.height, fmap.width, fmap.channels), np.int8)
+
+
+def _write(state: MachineState, fmap: FeatureMap, values: np.ndarray) -> None:
+    state.sram[fmap.address:fmap.address + fmap.size] = values.astype(np.int8).reshape(-1).view(np.uint8)
+
+
+def run_add(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
+    out = elementwise_add(_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
+                          op.input_zero_point, op.input2_zero_point, op.output_zero_point,
+                          op.input_multiplier, op.input_shift, op.input2_multiplier, op.input2_shift,
+                          op.output_multiplier, op.output_shift, op.left_shift, op.act_min, op.act_max,
+                          op.rounding)
+    _write(state, op.ofm, out)
+
+
+def run_mean(state: MachineState, opcode: Opcode, op: Reduction, config: NpuConfig) -> None:
+    """TFLite ``QuantizedMeanOrSum``: int32 sum, minus zero point * count, one requantization."""
+    ifm = _fmap(state, op.ifm)
+    count = op.ifm.height * op.ifm.width
+    total = ifm.astype(np.int64).sum(axis=(0, 1)) - op.input_zero_point * count
+    total = wrap_signed(total, config.accumulator_bits)
+    _write(state, op.ofm, requantize(total, op.multiplier, op.shift, op.output_zero_point, op.act_min,
+                                     op.act_max, op.rounding))
 
 
 KERNELS = {
@@ -108,6 +140,8 @@ KERNELS = {
     Opcode.CONV2D: run_convolution,
     Opcode.DEPTHWISE_CONV2D: run_convolution,
     Opcode.FULLY_CONNECTED: run_convolution,
+    Opcode.ADD: run_add,
+    Opcode.MEAN: run_mean,
 }
 
 

@@ -15,6 +15,11 @@ quantization_util.cc):
   right shift (round half away from zero). ``Rounding.TFLITE_SINGLE`` is the
   ``TFLITE_SINGLE_ROUNDING`` build flag: one 64-bit multiply and one rounding
   shift (round half up). The ai-edge-litert wheels use the double variant.
+* ``Rounding.FLOAT64`` is what TFLite's *reference* per-channel
+  FULLY_CONNECTED does instead of fixed point: ``round(double(acc) * scale)``
+  with ``scale = double(s_in) * double(s_w) / double(s_out)``, rounding half
+  away from zero (C ``round``). The NPU's output stage offers it so that such
+  layers stay bit-exact with the reference; it is selected per command.
 
 Floats appear only where TFLite uses them: turning float32 scales into a
 multiplier at preparation time.
@@ -38,6 +43,7 @@ class Rounding(IntEnum):
 
     TFLITE_DOUBLE = 0
     TFLITE_SINGLE = 1
+    FLOAT64 = 2
 
 
 def quantize_multiplier(real_multiplier: float, rounding: Rounding = Rounding.TFLITE_DOUBLE):
@@ -93,6 +99,42 @@ def fully_connected_multiplier(input_scale, weight_scale, output_scale, rounding
         raise NumericsError("fully connected scales must be positive")
     multiplier, shift = quantize_multiplier(product / s_out, rounding)
     return np.array([multiplier], dtype=np.int32), np.array([shift], dtype=np.int32)
+
+
+ADD_LEFT_SHIFT = 20
+"""Headroom bits TFLite's int8 ADD gives both inputs before rescaling (add.cc)."""
+
+
+def add_multipliers(input_scale, input2_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):
+    """(m1, s1, m2, s2, m_out, s_out) as TFLite's int8 ADD ``Prepare`` computes them.
+
+    Both inputs are brought to twice the larger input scale; the output
+    multiplier undoes that and the ``ADD_LEFT_SHIFT`` headroom.
+    """
+    s1, s2, so = (float(np.float32(s)) for s in (input_scale, input2_scale, output_scale))
+    if min(s1, s2, so) <= 0:
+        raise NumericsError("ADD scales must be positive")
+    twice_max = 2.0 * max(s1, s2)
+    reals = (s1 / twice_max, s2 / twice_max, twice_max / ((1 << ADD_LEFT_SHIFT) * so))
+    if reals[2] >= 1.0:
+        raise NumericsError(f"ADD output multiplier {reals[2]:.3g} must be below 1 (output scale too small)")
+    pairs = [quantize_multiplier(r, rounding) for r in reals]
+    return tuple(v for pair in pairs for v in pair)
+
+
+def mean_multiplier(input_scale, output_scale, count: int, rounding=Rounding.TFLITE_DOUBLE):
+    """Multiplier of an int8 MEAN over ``count`` elements, 1/count folded in.
+
+    TFLite ``QuantizedMeanOrSum``: QuantizeMultiplier(s_in / s_out), then the
+    multiplier is scaled up by 2**k (k = floor(log2(count)), at most 32 and at
+    most 31 + shift) and divided by ``count`` in integers, the shift lowered by k.
+    """
+    if count <= 0:
+        raise NumericsError("MEAN over an empty axis")
+    multiplier, shift = quantize_multiplier(float(np.float32(input_scale)) / float(np.float32(output_scale)),
+                                            rounding)
+    k = min(count.bit_length() - 1, 32, 31 + shift)
+    return int((multiplier << k) // count), shift - k
 
 
 def wrap_signed(values: np.ndarray, bits: int) -> np.ndarray:
@@ -152,4 +194,33 @@ def requantize(acc, multiplier, shift, output_zero_point, act_min, act_max,
     if not info.min <= act_min <= act_max <= info.max:
         raise NumericsError(f"activation clamp [{act_min}, {act_max}] is outside {np.dtype(out_dtype).name}")
     scaled = multiply_by_quantized_multiplier(acc, multiplier, shift, rounding)
+    return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(out_dtype)
+
+
+def elementwise_add(x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min, act_max,
+                    rounding=Rounding.TFLITE_DOUBLE):
+    """TFLite reference int8 ``AddElementwise`` on whole arrays."""
+    a = wrap_signed((np.asarray(x1, np.int64) - zp1) << left_shift, 32)
+    b = wrap_signed((np.asarray(x2, np.int64) - zp2) << left_shift, 32)
+    total = wrap_signed(multiply_by_quantized_multiplier(a, m1, s1, rounding)
+                        + multiply_by_quantized_multiplier(b, m2, s2, rounding), 32)
+    return requantize(total, m_out, s_out, zp_out, act_min, act_max, rounding)
+
+
+def float_scales(input_scale, weight_scales, output_scale) -> np.ndarray:
+    """Per-channel double scales of ``Rounding.FLOAT64``, in TFLite's operation order."""
+    s_in, s_out = float(np.float32(input_scale)), float(np.float32(output_scale))
+    if s_in <= 0 or s_out <= 0:
+        raise NumericsError("scales must be positive")
+    return np.array([s_in * float(np.float32(s)) / s_out for s in np.atleast_1d(weight_scales)], dtype=np.float64)
+
+
+def requantize_float(acc, scales, output_zero_point, act_min, act_max, out_dtype=np.int8):
+    """``Rounding.FLOAT64`` output stage: C ``round`` of acc * scale, then zero point and clamp."""
+    if not np.all(np.isfinite(scales)) or np.any(np.asarray(scales) < 0):
+        raise NumericsError("float requantization scales must be finite and non-negative")
+    product = np.asarray(acc, dtype=np.int64).astype(np.float64) * scales
+    truncated = np.trunc(product)
+    rounded = truncated + np.where(np.abs(product - truncated) >= 0.5, np.sign(product), 0.0)
+    scaled = wrap_signed(rounded.astype(np.int64), 32)
     return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(out_dtype)

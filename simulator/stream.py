@@ -8,6 +8,7 @@ file raises ``StreamError`` instead of crashing, hanging or allocating wildly.
 from __future__ import annotations
 
 import struct
+from dataclasses import fields
 
 import flatbuffers
 import numpy as np
@@ -17,10 +18,12 @@ from ._generated import Command as fb_command
 from ._generated import CommandStream as fb_stream
 from ._generated import Convolution as fb_conv
 from ._generated import DmaCopy as fb_dma
+from ._generated import Elementwise as fb_elementwise
 from ._generated import FeatureMap as fb_fmap
+from ._generated import Reduction as fb_reduction
 from .errors import StreamError
 from .isa import (FORMAT_VERSION, PAYLOAD_OF_OPCODE, Buffer, BufferKind, Command, CommandStream,
-                  Convolution, DmaCopy, FeatureMap, MemorySpace, Opcode)
+                  Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode, Reduction)
 from .numerics import Rounding
 
 FILE_IDENTIFIER = b"NPUC"
@@ -63,6 +66,40 @@ def _unflatten_conv(flat: dict[str, int], ifm: FeatureMap, ofm: FeatureMap) -> C
         act_min=flat["act_min"], act_max=flat["act_max"], rounding=rounding)
 
 
+FLAT_PAYLOADS = {Elementwise: ("elementwise", fb_elementwise, "Elementwise"),
+                 Reduction: ("reduction", fb_reduction, "Reduction")}
+"""Payloads whose dataclass fields map one to one onto schema fields (feature maps nested)."""
+
+
+def _encode_fmap(builder, fmap: FeatureMap) -> int:
+    return _add_table(builder, fb_fmap, "FeatureMap", {f: getattr(fmap, f) for f in _FMAP_FIELDS}, {})
+
+
+def _encode_flat(builder, payload) -> tuple[str, int]:
+    slot, module, prefix = FLAT_PAYLOADS[type(payload)]
+    scalars, offsets = {}, {}
+    for f in fields(payload):
+        value = getattr(payload, f.name)
+        if isinstance(value, FeatureMap):
+            offsets[f.name] = _encode_fmap(builder, value)
+        else:
+            scalars[f.name] = int(value)
+    return slot, _add_table(builder, module, prefix, scalars, offsets)
+
+
+def _decode_flat(table, cls):
+    values = {}
+    for f in fields(cls):
+        raw = getattr(table, _camel(f.name))()
+        if f.name.startswith("ifm") or f.name == "ofm":
+            values[f.name] = _decode_fmap(raw, f.name)
+        elif f.name == "rounding":
+            values[f.name] = _enum(Rounding, raw, "rounding mode")
+        else:
+            values[f.name] = raw
+    return cls(**values)
+
+
 def _add_table(builder, module, prefix: str, scalars: dict[str, int], offsets: dict[str, int]):
     getattr(module, f"{prefix}Start")(builder)
     for name, value in {**scalars, **offsets}.items():
@@ -83,11 +120,12 @@ def _encode_command(builder, command: Command) -> int:
     if isinstance(payload, DmaCopy):
         offsets["dma"] = _add_table(builder, fb_dma, "DmaCopy",
                                     {f: getattr(payload, f) for f in _DMA_FIELDS}, {})
-    else:
-        fmaps = {name: _add_table(builder, fb_fmap, "FeatureMap",
-                                  {f: getattr(getattr(payload, name), f) for f in _FMAP_FIELDS}, {})
-                 for name in ("ifm", "ofm")}
+    elif isinstance(payload, Convolution):
+        fmaps = {name: _encode_fmap(builder, getattr(payload, name)) for name in ("ifm", "ofm")}
         offsets["conv"] = _add_table(builder, fb_conv, "Convolution", _flatten_conv(payload), fmaps)
+    else:
+        slot, offset = _encode_flat(builder, payload)
+        offsets[slot] = offset
     return _add_table(builder, fb_command, "Command", {"opcode": int(command.opcode)}, offsets)
 
 
@@ -150,6 +188,13 @@ def _decode_command(raw, index: int, total: int) -> Command:
         fields["src_space"] = _enum(MemorySpace, fields["src_space"], "memory space")
         fields["dst_space"] = _enum(MemorySpace, fields["dst_space"], "memory space")
         return Command(opcode, DmaCopy(**fields), layer)
+    payload_type = PAYLOAD_OF_OPCODE[opcode]
+    if payload_type in FLAT_PAYLOADS:
+        slot = FLAT_PAYLOADS[payload_type][0]
+        table = getattr(raw, _camel(slot))()
+        if table is None:
+            raise StreamError(f"command {index}: {opcode.name} has no {slot} payload")
+        return Command(opcode, _decode_flat(table, payload_type), layer)
     table = raw.Conv()
     if table is None:
         raise StreamError(f"command {index}: {opcode.name} has no convolution payload")

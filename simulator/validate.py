@@ -12,7 +12,7 @@ import numpy as np
 from .config import NpuConfig
 from .errors import StreamError
 from .isa import (SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolution, DmaCopy,
-                  MemorySpace, Opcode, conv_output_size, weight_shape)
+                  Elementwise, FeatureMap, MemorySpace, Opcode, Reduction, conv_output_size, weight_shape)
 
 DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
 
@@ -111,12 +111,64 @@ def _check_conv(config: NpuConfig, opcode: Opcode, conv: Convolution, where: str
             raise StreamError(f"{where}: ofm overlaps {name} in SRAM")
 
 
+def _check_int8(where: str, **values: int) -> None:
+    for name, value in values.items():
+        if not -128 <= value <= 127:
+            raise StreamError(f"{where}: {name} {value} is outside int8")
+
+
+def _check_multiplier(where: str, name: str, multiplier: int, shift: int) -> None:
+    if not 0 <= multiplier < (1 << 31) or not -31 <= shift <= 30:
+        raise StreamError(f"{where}: {name} multiplier {multiplier} / shift {shift} out of range")
+
+
+def _check_regions(config: NpuConfig, where: str, reads: dict[str, FeatureMap], ofm: FeatureMap) -> None:
+    for name, fmap in {**reads, "ofm": ofm}.items():
+        if min(fmap.height, fmap.width, fmap.channels) < 1:
+            raise StreamError(f"{where}: {name} dimensions must be positive")
+        if fmap.address + fmap.size > config.sram_bytes:
+            raise StreamError(f"{where}: {name} ends at SRAM byte {fmap.address + fmap.size}, past {config.sram_bytes}")
+    for name, fmap in reads.items():
+        if fmap.address < ofm.address + ofm.size and ofm.address < fmap.address + fmap.size:
+            raise StreamError(f"{where}: ofm overlaps {name} in SRAM")
+
+
+def _check_elementwise(config: NpuConfig, op: Elementwise, where: str) -> None:
+    _check_regions(config, where, {"ifm": op.ifm, "ifm2": op.ifm2}, op.ofm)
+    if not op.ifm.size == op.ifm2.size == op.ofm.size:
+        raise StreamError(f"{where}: elementwise operands hold different element counts")
+    _check_int8(where, input_zero_point=op.input_zero_point, input2_zero_point=op.input2_zero_point,
+                output_zero_point=op.output_zero_point, act_min=op.act_min, act_max=op.act_max)
+    if op.act_min > op.act_max:
+        raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
+    if not 0 <= op.left_shift <= 24:
+        raise StreamError(f"{where}: left_shift {op.left_shift} outside 0..24")
+    for name in ("input", "input2", "output"):
+        _check_multiplier(where, name, getattr(op, f"{name}_multiplier"), getattr(op, f"{name}_shift"))
+
+
+def _check_reduction(config: NpuConfig, op: Reduction, where: str) -> None:
+    _check_regions(config, where, {"ifm": op.ifm}, op.ofm)
+    if (op.ofm.height, op.ofm.width, op.ofm.channels) != (1, 1, op.ifm.channels):
+        raise StreamError(f"{where}: mean ofm must be 1x1x{op.ifm.channels}")
+    _check_int8(where, input_zero_point=op.input_zero_point, output_zero_point=op.output_zero_point,
+                act_min=op.act_min, act_max=op.act_max)
+    if op.act_min > op.act_max:
+        raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
+    _check_multiplier(where, "mean", op.multiplier, op.shift)
+
+
 def _check_command(stream: CommandStream, config: NpuConfig, index: int, command: Command) -> None:
     where = f"command {index} ({command.opcode.name})"
-    if isinstance(command.payload, DmaCopy):
-        _check_dma(stream, config, command.payload, where)
+    payload = command.payload
+    if isinstance(payload, DmaCopy):
+        _check_dma(stream, config, payload, where)
+    elif isinstance(payload, Elementwise):
+        _check_elementwise(config, payload, where)
+    elif isinstance(payload, Reduction):
+        _check_reduction(config, payload, where)
     else:
-        _check_conv(config, command.opcode, command.payload, where)
+        _check_conv(config, command.opcode, payload, where)
 
 
 def validate_stream(stream: CommandStream, config: NpuConfig) -> None:

@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import numpy as np
 
-from npu_backend.codegen.lower import StreamBuilder, emit_layer, output_multipliers
+from npu_backend.codegen.lower import LOWERINGS, StreamBuilder
+from npu_backend.codegen.multipliers import conv_multipliers
 from npu_backend.params import ConvParams, NpuOp
 from simulator import BufferKind, CommandStream, run_stream
 
 
-def layer_stream(p: ConvParams, config) -> CommandStream:
+def layer_stream(p, config) -> CommandStream:
     sb = StreamBuilder(config)
-    src = sb.add_buffer("ifm", BufferKind.INPUT, p.ifm_shape)
-    dst = sb.add_buffer("ofm", BufferKind.OUTPUT, p.ofm_shape)
-    emit_layer(sb, p, f"{p.op.value}_0", src, dst)
+    if p.op == NpuOp.ADD:
+        sources = [sb.add_buffer(name, BufferKind.INPUT, p.shape) for name in ("ifm", "ifm2")]
+        dst = sb.add_buffer("ofm", BufferKind.OUTPUT, p.shape)
+    else:
+        sources = [sb.add_buffer("ifm", BufferKind.INPUT, p.ifm_shape)]
+        dst = sb.add_buffer("ofm", BufferKind.OUTPUT, p.ofm_shape)
+    LOWERINGS[p.op](sb, p, f"{p.op.value}_0", sources, dst)
     return CommandStream(name="layer", config=config.name, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
 
 
-def run_layer(p: ConvParams, config, x: np.ndarray):
-    outputs, stats = run_stream(layer_stream(p, config), {"ifm": x}, config)
+def run_layer(p, config, x: np.ndarray, x2: np.ndarray | None = None):
+    inputs = {"ifm": x} if x2 is None else {"ifm": x, "ifm2": x2}
+    outputs, stats = run_stream(layer_stream(p, config), inputs, config)
     return outputs["ofm"], stats
 
 
@@ -52,7 +58,7 @@ def random_params(rng, op: NpuOp, ifm_shape, out_channels=None, kernel=(3, 3), s
 def reference_layer(p: ConvParams, x: np.ndarray) -> np.ndarray:
     import reference_kernels as ref
 
-    mult, shift = output_multipliers(p)
+    mult, shift = conv_multipliers(p)
     args = (p.bias.tolist(), mult.tolist(), shift.tolist(), p.input_zero_point, p.output_zero_point, p.clamp)
     if p.op == NpuOp.FULLY_CONNECTED:
         return np.array(ref.fully_connected(x.tolist(), p.weights.tolist(), *args), dtype=np.int8)

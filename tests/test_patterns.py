@@ -32,9 +32,10 @@ def partition(idiom: ConvIdiom):
 def test_registry_order_puts_fused_activation_first():
     entries = registered_patterns()
     names = [e.name for e in entries]
-    assert names == ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected"] * 2
-    assert all("relax.clip" in str(e.pattern) for e in entries[:3])
-    assert not any("relax.clip" in str(e.pattern) for e in entries[3:])
+    clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add"]
+    assert names == clipped + clipped + ["npu.mean"]
+    assert all("relax.clip" in str(e.pattern) for e in entries[:4])
+    assert not any("relax.clip" in str(e.pattern) for e in entries[4:])
 
 
 def test_conv2d_per_channel_with_relu_clip():

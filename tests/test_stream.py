@@ -118,14 +118,21 @@ def test_simulator_does_not_import_tvm():
 
 
 def test_opcode_table_is_complete():
+    """Every opcode has a schema value, payload, kernel and cost model; every operator a lowering."""
     from simulator._generated.Opcode import Opcode as Generated
     from simulator.cycles import COST_MODELS
     from simulator.isa import PAYLOAD_OF_OPCODE
     from simulator.kernels import KERNELS
-    from npu_backend.codegen.lower import OPCODE_OF_OP
+    from npu_backend.codegen.lower import LOWERINGS
+    from npu_backend.codegen.multipliers import DERIVE
+    from npu_backend.codegen.plan import PLANNERS
+    from npu_backend.params import RECORD_OF_OP, NpuOp
+    from npu_backend.patterns import OPERATORS
 
     generated = {name: value for name, value in vars(Generated).items() if not name.startswith("_")}
     assert generated == {op.name: op.value for op in Opcode}
     for op in Opcode:
         assert op in PAYLOAD_OF_OPCODE and op in KERNELS and op in COST_MODELS
-    assert set(OPCODE_OF_OP.values()) == set(Opcode) - {Opcode.DMA_COPY}
+    assert set(LOWERINGS) == set(RECORD_OF_OP) == set(NpuOp)
+    assert {f"npu.{op.value}" for op in NpuOp} == {entry.name for entry in OPERATORS}
+    assert set(RECORD_OF_OP.values()) == set(DERIVE) == set(PLANNERS)

@@ -12,14 +12,15 @@ import numpy as np
 import tvm
 from tvm import relax
 
-from simulator import numerics
 from simulator.config import NpuConfig, get_config
-from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy,
-                           FeatureMap, MemorySpace, Opcode)
+from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
+                           FeatureMap, MemorySpace, Opcode, Reduction)
+from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
-from ..params import ConvParams, NpuOp, from_attrs
-from .plan import LayerGeometry, TilePlan, plan_layer
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, from_attrs
+from .multipliers import add_multipliers, conv_multipliers, mean_multiplier
+from .plan import LayerGeometry, TilePlan, plan_add, plan_layer, plan_mean
 
 CONFIG_ATTR = "npu.preset"
 
@@ -28,15 +29,6 @@ OPCODE_OF_OP = {
     NpuOp.DEPTHWISE_CONV2D: Opcode.DEPTHWISE_CONV2D,
     NpuOp.FULLY_CONNECTED: Opcode.FULLY_CONNECTED,
 }
-
-
-def output_multipliers(p: ConvParams):
-    """Per-channel (multiplier, shift) exactly as TFLite prepares them for this operator."""
-    if p.op == NpuOp.FULLY_CONNECTED and not p.per_channel:
-        multiplier, shift = numerics.fully_connected_multiplier(
-            p.input_scale, p.weight_scales[0], p.output_scale, p.rounding)
-        return np.repeat(multiplier, p.out_channels), np.repeat(shift, p.out_channels)
-    return numerics.conv_multipliers(p.input_scale, p.weight_scales, p.output_scale, p.rounding)
 
 
 class StreamBuilder:
@@ -73,11 +65,12 @@ class StreamBuilder:
                      dram_stride=channels, sram_stride=channel_count, to_sram=to_sram)
 
 
-def emit_layer(sb: StreamBuilder, p: ConvParams, layer: str, src: int, dst: int) -> None:
-    """Constants, DMA and compute commands of one layer, tile by tile."""
+def emit_conv(sb: StreamBuilder, p: ConvParams, layer: str, sources: list[int], dst: int) -> None:
+    """Constants, DMA and compute commands of one convolution-class layer, tile by tile."""
+    (src,) = sources
     g = LayerGeometry.of(p)
     plan: TilePlan = plan_layer(p, sb.config)
-    multiplier, shift = output_multipliers(p)
+    multiplier, shift = conv_multipliers(p)
     table = np.stack([p.bias.astype(np.int32), multiplier, shift], axis=1).astype("<i4")
     weights = sb.add_buffer(f"{layer}.weights", BufferKind.CONSTANT, p.weights.shape,
                             data=np.ascontiguousarray(p.weights, dtype=np.int8).tobytes())
@@ -108,6 +101,53 @@ def emit_layer(sb: StreamBuilder, p: ConvParams, layer: str, src: int, dst: int)
             sb.commands.append(Command(opcode, conv, layer))
             sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
                            plan.ofm_address, to_sram=False)
+
+
+def emit_add(sb: StreamBuilder, p: AddParams, layer: str, sources: list[int], dst: int) -> None:
+    """Elementwise addition over flat chunks of both inputs."""
+    src, src2 = sources
+    plan = plan_add(p, sb.config)
+    m1, s1, m2, s2, mo, so = add_multipliers(p)
+    total = int(np.prod(p.shape))
+    for start in range(0, total, plan.chunk):
+        count = min(plan.chunk, total - start)
+        sb.dma(layer, src, start, plan.ifm_address, count)
+        sb.dma(layer, src2, start, plan.ifm2_address, count)
+        op = Elementwise(
+            ifm=FeatureMap(plan.ifm_address, 1, count, 1), ifm2=FeatureMap(plan.ifm2_address, 1, count, 1),
+            ofm=FeatureMap(plan.ofm_address, 1, count, 1), input_zero_point=p.input_zero_point,
+            input2_zero_point=p.input2_zero_point, output_zero_point=p.output_zero_point,
+            input_multiplier=m1, input_shift=s1, input2_multiplier=m2, input2_shift=s2,
+            output_multiplier=mo, output_shift=so, left_shift=ADD_LEFT_SHIFT, act_min=p.clamp[0],
+            act_max=p.clamp[1], rounding=p.rounding)
+        sb.commands.append(Command(Opcode.ADD, op, layer))
+        sb.dma(layer, dst, start, plan.ofm_address, count, to_sram=False)
+
+
+def emit_mean(sb: StreamBuilder, p: MeanParams, layer: str, sources: list[int], dst: int) -> None:
+    """Spatial mean, a channel tile at a time (each tile holds the whole height x width)."""
+    (src,) = sources
+    _, height, width, channels = p.ifm_shape
+    plan = plan_mean(p, sb.config)
+    multiplier, shift = mean_multiplier(p)
+    for c0 in range(0, channels, plan.channel_tile):
+        ct = min(plan.channel_tile, channels - c0)
+        sb.feature_dma(layer, src, 0, height * width, channels, c0, ct, plan.ifm_address, to_sram=True)
+        op = Reduction(ifm=FeatureMap(plan.ifm_address, height, width, ct), ofm=FeatureMap(plan.ofm_address, 1, 1, ct),
+                       input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
+                       multiplier=multiplier, shift=shift, rounding=p.rounding)
+        sb.commands.append(Command(Opcode.MEAN, op, layer))
+        sb.feature_dma(layer, dst, 0, 1, channels, c0, ct, plan.ofm_address, to_sram=False)
+
+
+LOWERINGS = {
+    NpuOp.CONV2D: emit_conv,
+    NpuOp.DEPTHWISE_CONV2D: emit_conv,
+    NpuOp.FULLY_CONNECTED: emit_conv,
+    NpuOp.ADD: emit_add,
+    NpuOp.MEAN: emit_mean,
+}
+"""How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 
 
 def _shape_of(expr) -> tuple[int, ...]:
@@ -142,14 +182,14 @@ def lower_region(func: relax.Function, symbol: str) -> CommandStream:
             if isinstance(value, (relax.Function, relax.Tuple)):
                 continue
             callee = bindings.get(value.op) if isinstance(value, relax.Call) else None
-            if not isinstance(callee, relax.Function) or len(value.args) != 1:
+            if not isinstance(callee, relax.Function):
                 raise UnsupportedOpError(f"NPU region {symbol} holds a binding that is not a composite call")
             params = from_attrs(callee.attrs)
             layer = f"{params.op.value}_{layer_index}"
             layer_index += 1
             if binding.var not in values:
-                values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, params.ofm_shape)
-            emit_layer(sb, params, layer, values[value.args[0]], values[binding.var])
+                values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, _shape_of(binding.var))
+            LOWERINGS[params.op](sb, params, layer, [values[arg] for arg in value.args], values[binding.var])
     return CommandStream(name=symbol, config=config.name, buffers=tuple(sb.buffers),
                          commands=tuple(sb.commands))
 

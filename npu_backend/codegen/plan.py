@@ -1,5 +1,10 @@
 """Tiling and SRAM planning of one layer.
 
+Elementwise additions are planned as flat chunks of elements (two inputs and
+the output in SRAM at once); spatial means as channel tiles holding the whole
+height x width of those channels.
+
+
 A layer runs as tiles: a range of output channels (the weights and scale/bias
 rows for them stay in SRAM) times a stripe of output rows (the input rows it
 needs, halo included, are loaded per stripe). ``plan_layer`` picks the largest
@@ -17,7 +22,7 @@ from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
-from ..params import ConvParams, NpuOp
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams
 
 SRAM_ALIGN = 16
 
@@ -114,3 +119,46 @@ def plan_layer(p: ConvParams, config: NpuConfig) -> TilePlan:
             raise UnsupportedOpError(f"one output row of one channel needs more than the "
                                      f"{config.sram_bytes}-byte SRAM, so the layer cannot be tiled")
         splits *= 2
+
+
+@dataclass(frozen=True)
+class ElementwisePlan:
+    chunk: int
+    ifm_address: int
+    ifm2_address: int
+    ofm_address: int
+
+
+@dataclass(frozen=True)
+class MeanPlan:
+    channel_tile: int
+    ifm_address: int
+    ofm_address: int
+
+
+def plan_add(p: AddParams, config: NpuConfig) -> ElementwisePlan:
+    """Largest element chunk such that both inputs and the output fit side by side."""
+    total = math.prod(p.shape)
+    chunk = min(total, (config.sram_bytes // 3) // SRAM_ALIGN * SRAM_ALIGN)
+    if chunk < 1:
+        raise UnsupportedOpError(f"the {config.sram_bytes}-byte SRAM cannot hold three elementwise operands")
+    stride = _align(chunk)
+    return ElementwisePlan(chunk, 0, stride, 2 * stride)
+
+
+def plan_mean(p: MeanParams, config: NpuConfig) -> MeanPlan:
+    """Most channels whose whole spatial extent (plus one output byte each) fits in SRAM."""
+    _, height, width, channels = p.ifm_shape
+    tile = min(channels, (config.sram_bytes - SRAM_ALIGN) // (height * width + 1))
+    if tile < 1:
+        raise UnsupportedOpError(f"one {height}x{width} channel does not fit the {config.sram_bytes}-byte SRAM, "
+                                 "so the mean cannot be tiled")
+    return MeanPlan(tile, 0, _align(tile * height * width))
+
+
+PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean}
+
+
+def plan(p: NpuParams, config: NpuConfig):
+    """The tiling of any NPU operator (the check and the lowering both call this)."""
+    return PLANNERS[type(p)](p, config)

@@ -1,4 +1,4 @@
-"""Hardware rules of the MAC-array operators.
+"""Hardware rules of the NPU operators.
 
 Each rule is a small function of (params, config) returning ``None`` when the
 operator is legal, or the reason it stays on the host; the reason is what the
@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from simulator.config import NpuConfig
 
-from ..codegen.plan import plan_layer
+from ..codegen.multipliers import derive_multipliers
+from ..codegen.plan import plan
 from ..errors import NpuError
-from ..params import ConvParams
+from ..params import ConvParams, NpuParams
 
 
 def kernel_fits(p: ConvParams, config: NpuConfig) -> str | None:
@@ -40,19 +41,32 @@ def padding_within_window(p: ConvParams, config: NpuConfig) -> str | None:
     return None
 
 
-def tiles_fit_sram(p: ConvParams, config: NpuConfig) -> str | None:
+def tiles_fit_sram(p: NpuParams, config: NpuConfig) -> str | None:
     try:
-        plan_layer(p, config)
+        plan(p, config)
     except NpuError as exc:
         return str(exc)
     return None
 
 
-CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window, tiles_fit_sram)
+def multipliers_representable(p: NpuParams, config: NpuConfig) -> str | None:
+    try:
+        derive_multipliers(p)
+    except NpuError as exc:
+        return str(exc)
+    return None
+
+
+CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window, multipliers_representable,
+              tiles_fit_sram)
 """Rules shared by conv2d, depthwise conv2d and fully connected (as a 1x1 layer)."""
 
 
-def first_violation(p: ConvParams, config: NpuConfig, rules=CONV_RULES) -> str | None:
+ELEMENTWISE_RULES = (multipliers_representable, tiles_fit_sram)
+"""Rules of add and mean."""
+
+
+def first_violation(p: NpuParams, config: NpuConfig, rules=CONV_RULES) -> str | None:
     for rule in rules:
         reason = rule(p, config)
         if reason is not None:

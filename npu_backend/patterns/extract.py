@@ -5,9 +5,10 @@ annotation of the fused composite (what will the codegen run?). They raise
 ``UnsupportedOpError`` / ``QParamError`` with the user-facing reason; the
 check turns that into "stays on the host, because ...".
 
-The idiom handled here is the float-emulated form TVM 0.27's TFLite importer
+The idioms handled here are the float-emulated forms TVM 0.27's TFLite importer
 emits: ``quantize(add(op(dequantize(x), dequantize(w)), dequantize(bias)))``
-optionally followed by an int8 ``clip`` (the fused ReLU/ReLU6).
+optionally followed by an int8 ``clip`` (the fused ReLU/ReLU6);
+``quantize(add(dequantize(a), dequantize(b)))``; ``quantize(mean(dequantize(x)))``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..params import ConvParams, NpuOp
+from ..params import AddParams, ConvParams, MeanParams, NpuOp
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -67,19 +68,26 @@ def _clamp(annotations: Mapping[str, relax.Expr]) -> tuple[int, int]:
     return (max(-128, int(np.ceil(low))), min(127, int(np.floor(high))))
 
 
-def _input_and_output(annotations):
-    x = annotations["input"]
+def _int8_qparams(call, what: str) -> tuple[float, int]:
+    scale, zero_point, _ = _qparams(call, what)
+    if not -128 <= zero_point[0] <= 127:
+        raise QParamError(f"{what} zero point {zero_point[0]} is outside int8")
+    return float(scale[0]), int(zero_point[0])
+
+
+def _dequantized_int8(annotations, tensor: str, dequantize: str, what: str):
+    x = annotations[tensor]
     if _dtype(x) != "int8":
-        raise UnsupportedOpError(f"input dtype {_dtype(x)} is not int8")
-    in_scale, in_zp, _ = _qparams(annotations["input_dq"], "input")
+        raise UnsupportedOpError(f"{what} dtype {_dtype(x)} is not int8")
+    return (x, *_int8_qparams(annotations[dequantize], what))
+
+
+def _input_and_output(annotations):
+    x, in_scale, in_zp = _dequantized_int8(annotations, "input", "input_dq", "input")
     quantize = annotations["quantize"]
     if str(quantize.attrs.out_dtype) != "int8":
         raise UnsupportedOpError(f"output dtype {quantize.attrs.out_dtype} is not int8")
-    out_scale, out_zp, _ = _qparams(quantize, "output")
-    for name, zp in (("input", in_zp[0]), ("output", out_zp[0])):
-        if not -128 <= zp <= 127:
-            raise QParamError(f"{name} zero point {zp} is outside int8")
-    return x, float(in_scale[0]), int(in_zp[0]), float(out_scale[0]), int(out_zp[0])
+    return (x, in_scale, in_zp, *_int8_qparams(quantize, "output"))
 
 
 def _squeezed_axis(shape: tuple[int, ...], axis: int) -> int:
@@ -144,7 +152,7 @@ def _bias(annotations, in_scale: float, weight_scales: np.ndarray) -> np.ndarray
 
 
 def _conv_common(annotations, op: NpuOp) -> ConvParams:
-    conv = annotations["conv"]
+    conv = annotations["anchor"]
     attrs = conv.attrs
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
     x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
@@ -191,7 +199,9 @@ def extract_depthwise_conv2d(annotations: Mapping[str, relax.Expr]) -> ConvParam
 
 
 def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams:
-    matmul = annotations["conv"]
+    """Per-channel weights select ``Rounding.FLOAT64``: TFLite's reference kernel for a
+    per-channel FULLY_CONNECTED requantizes in double, not with fixed-point multipliers."""
+    matmul = annotations["anchor"]
     x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
     ifm_shape, ofm_shape = _shape(x), _shape(matmul)
     weight_shape = _shape(annotations["weight_dq"])
@@ -204,4 +214,27 @@ def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams
         op=NpuOp.FULLY_CONNECTED, ifm_shape=ifm_shape, ofm_shape=ofm_shape, input_scale=in_scale,
         input_zero_point=in_zp, weight_scales=scales, weight_zero_points=zps, per_channel=per_channel,
         weights=weights, bias=_bias(annotations, in_scale, scales), output_scale=out_scale,
-        output_zero_point=out_zp, clamp=_clamp(annotations), rounding=Rounding.TFLITE_DOUBLE)
+        output_zero_point=out_zp, clamp=_clamp(annotations),
+        rounding=Rounding.FLOAT64 if per_channel else Rounding.TFLITE_DOUBLE)
+
+
+def extract_add(annotations: Mapping[str, relax.Expr]) -> AddParams:
+    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    x2, in2_scale, in2_zp = _dequantized_int8(annotations, "input2", "input2_dq", "second input")
+    shape, shape2 = _shape(x), _shape(x2)
+    if shape != shape2:
+        raise UnsupportedOpError(f"broadcasting add ({list(shape)} + {list(shape2)}) is not supported")
+    return AddParams(op=NpuOp.ADD, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
+                     input2_scale=in2_scale, input2_zero_point=in2_zp, output_scale=out_scale,
+                     output_zero_point=out_zp, clamp=_clamp(annotations))
+
+
+def extract_mean(annotations: Mapping[str, relax.Expr]) -> MeanParams:
+    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    mean = annotations["anchor"]
+    ifm_shape = _shape(x)
+    axes = sorted(int(a) % len(ifm_shape) for a in mean.attrs.axis) if mean.attrs.axis is not None else None
+    if len(ifm_shape) != 4 or ifm_shape[0] != 1 or axes != [1, 2]:
+        raise UnsupportedOpError(f"only the spatial mean (axes 1, 2) of a batch-1 NHWC tensor is supported")
+    return MeanParams(op=NpuOp.MEAN, ifm_shape=ifm_shape, ofm_shape=_shape(mean), input_scale=in_scale,
+                      input_zero_point=in_zp, output_scale=out_scale, output_zero_point=out_zp)

@@ -19,9 +19,10 @@ from tvm.relax.dpl.pattern import DFPattern, is_const, is_op, wildcard
 from simulator.config import NpuConfig, get_config
 
 from ..errors import NpuError
-from ..params import ConvParams
-from .checks import CONV_RULES, first_violation
-from .extract import extract_conv2d, extract_depthwise_conv2d, extract_fully_connected
+from ..params import NpuParams
+from .checks import CONV_RULES, ELEMENTWISE_RULES, first_violation
+from .extract import (extract_add, extract_conv2d, extract_depthwise_conv2d, extract_fully_connected,
+                      extract_mean)
 
 PREFIX = "npu"
 
@@ -52,7 +53,7 @@ def conv2d_pattern(with_clip: bool):
     weight_layout = is_op("relax.reshape")(weight_dq, wildcard())
     conv = is_op("relax.nn.conv2d")(input_dq, weight_dq | weight_layout)
     annotations = dict(input=x, input_dq=input_dq, weight=weight, weight_dq=weight_dq,
-                       weight_layout=weight_layout, conv=conv)
+                       weight_layout=weight_layout, anchor=conv)
     return _quantized(conv, annotations, with_clip)
 
 
@@ -64,8 +65,31 @@ def matmul_pattern(with_clip: bool):
     weight_dq = is_op("relax.dequantize")(weight_permute | weight, is_const(), is_const())
     matmul = is_op("relax.matmul")(input_dq, weight_dq)
     annotations = dict(input=x, input_dq=input_dq, weight=weight, weight_permute=weight_permute,
-                       weight_dq=weight_dq, conv=matmul)
+                       weight_dq=weight_dq, anchor=matmul)
     return _quantized(matmul, annotations, with_clip)
+
+
+def add_pattern(with_clip: bool):
+    """add of two dequantized int8 tensors, requantized."""
+    x, input_dq = _dequantized_input()
+    x2, input2_dq = _dequantized_input()
+    add = is_op("relax.add")(input_dq, input2_dq)
+    quantize = is_op("relax.quantize")(add, is_const(), is_const())
+    annotations = dict(input=x, input_dq=input_dq, input2=x2, input2_dq=input2_dq, anchor=add,
+                       quantize=quantize)
+    if not with_clip:
+        return quantize, annotations
+    clip = is_op("relax.clip")(quantize, wildcard(), wildcard())
+    annotations["clip"] = clip
+    return clip, annotations
+
+
+def mean_pattern(with_clip: bool):
+    """mean of a dequantized int8 tensor, requantized (global average pooling)."""
+    x, input_dq = _dequantized_input()
+    mean = is_op("relax.mean")(input_dq)
+    quantize = is_op("relax.quantize")(mean, is_const(), is_const())
+    return quantize, dict(input=x, input_dq=input_dq, anchor=mean, quantize=quantize)
 
 
 @dataclass(frozen=True)
@@ -74,14 +98,17 @@ class PatternEntry:
 
     name: str
     build: Callable[[bool], tuple[DFPattern, dict]]
-    extract: Callable[[Mapping], ConvParams]
+    extract: Callable[[Mapping], NpuParams]
     rules: tuple = field(default=CONV_RULES)
+    clip_variant: bool = True
 
 
 OPERATORS = (
     PatternEntry(f"{PREFIX}.conv2d", conv2d_pattern, extract_conv2d),
     PatternEntry(f"{PREFIX}.depthwise_conv2d", conv2d_pattern, extract_depthwise_conv2d),
     PatternEntry(f"{PREFIX}.fully_connected", matmul_pattern, extract_fully_connected),
+    PatternEntry(f"{PREFIX}.add", add_pattern, extract_add, rules=ELEMENTWISE_RULES),
+    PatternEntry(f"{PREFIX}.mean", mean_pattern, extract_mean, rules=ELEMENTWISE_RULES, clip_variant=False),
 )
 ENTRY_BY_NAME = {entry.name: entry for entry in OPERATORS}
 
@@ -111,7 +138,7 @@ def _make_check(entry: PatternEntry):
     def check(context) -> bool:
         active = ACTIVE_CONTEXT.get() or PartitionContext(get_config())
         annotations = {str(k): v for k, v in context.annotated_expr.items()}
-        anchor_var = context.value_to_bound_var.get(annotations["conv"])
+        anchor_var = context.value_to_bound_var.get(annotations["anchor"])
         anchor = anchor_var.name if anchor_var is not None else "?"
         reason = None
         if has_leaking_intermediate_variables(context):
@@ -135,6 +162,8 @@ def table() -> list[tuple]:
     rows = []
     for with_clip in (True, False):  # a fused activation must be claimed before the bare op
         for entry in OPERATORS:
+            if with_clip and not entry.clip_variant:
+                continue
             pattern, annotations = entry.build(with_clip)
             rows.append((entry.name, pattern, annotations, _make_check(entry)))
     return rows

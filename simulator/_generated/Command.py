@@ -64,7 +64,29 @@ class Command(object):
             return obj
         return None
 
-def CommandStart(builder): builder.StartObject(4)
+    # Command
+    def Elementwise(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .Elementwise import Elementwise
+            obj = Elementwise()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Command
+    def Reduction(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .Reduction import Reduction
+            obj = Reduction()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def CommandStart(builder): builder.StartObject(6)
 def Start(builder):
     return CommandStart(builder)
 def CommandAddOpcode(builder, opcode): builder.PrependUint8Slot(0, opcode, 0)
@@ -79,6 +101,12 @@ def AddDma(builder, dma):
 def CommandAddConv(builder, conv): builder.PrependUOffsetTRelativeSlot(3, flatbuffers.number_types.UOffsetTFlags.py_type(conv), 0)
 def AddConv(builder, conv):
     return CommandAddConv(builder, conv)
+def CommandAddElementwise(builder, elementwise): builder.PrependUOffsetTRelativeSlot(4, flatbuffers.number_types.UOffsetTFlags.py_type(elementwise), 0)
+def AddElementwise(builder, elementwise):
+    return CommandAddElementwise(builder, elementwise)
+def CommandAddReduction(builder, reduction): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(reduction), 0)
+def AddReduction(builder, reduction):
+    return CommandAddReduction(builder, reduction)
 def CommandEnd(builder): return builder.EndObject()
 def End(builder):
     return CommandEnd(builder)

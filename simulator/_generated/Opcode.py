@@ -7,3 +7,5 @@ class Opcode(object):
     CONV2D = 1
     DEPTHWISE_CONV2D = 2
     FULLY_CONNECTED = 3
+    ADD = 4
+    MEAN = 5

@@ -5,3 +5,4 @@
 class Rounding(object):
     TFLITE_DOUBLE = 0
     TFLITE_SINGLE = 1
+    FLOAT64 = 2

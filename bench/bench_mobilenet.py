@@ -1,0 +1,87 @@
+"""Wall-clock of the simulated NPU path against LiteRT's interpreters, in one run.
+
+Measures, on the bundled MobileNetV2 fixture (alpha 0.35, 96x96, int8):
+  * npu_backend: Relax VM with the NPU regions executed by the bit-exact simulator;
+  * LiteRT BUILTIN_REF: TFLite's reference kernels (the golden oracle);
+  * LiteRT default: the optimized kernels (XNNPACK / ruy).
+and prints milliseconds per inference, the ratios, and the simulated NPU time
+(cycles at the preset's clock), which is what the hardware would take.
+
+    python bench/bench_mobilenet.py [--runs 10] [--preset npu-256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import numpy as np
+import tvm
+from ai_edge_litert.interpreter import Interpreter, OpResolverType
+from tvm import relax
+
+import npu_backend
+
+MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tflite" / "mobilenet_v2_035_96.tflite"
+
+
+def _best_of(fn, runs: int) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times) * 1e3
+
+
+def _litert(resolver):
+    interpreter = Interpreter(model_path=str(MODEL), experimental_op_resolver_type=resolver, num_threads=1)
+    interpreter.allocate_tensors()
+    return interpreter
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=10)
+    parser.add_argument("--preset", default=npu_backend.DEFAULT_PRESET)
+    args = parser.parse_args()
+
+    x = np.random.default_rng(0).integers(-128, 128, (1, 96, 96, 3), dtype=np.int8)
+    vm = relax.VirtualMachine(npu_backend.build(npu_backend.load_tflite(MODEL), preset=args.preset), tvm.cpu())
+    tx = tvm.runtime.tensor(x)
+
+    interpreters = {"litert_ref": _litert(OpResolverType.BUILTIN_REF), "litert_opt": _litert(OpResolverType.AUTO)}
+
+    def run_litert(interpreter):
+        interpreter.set_tensor(interpreter.get_input_details()[0]["index"], x)
+        interpreter.invoke()
+        return interpreter.get_tensor(interpreter.get_output_details()[0]["index"])
+
+    with npu_backend.profile() as prof:
+        npu_out = vm["main"](tx).numpy()
+    exact = np.array_equal(npu_out, run_litert(interpreters["litert_ref"]))
+
+    timings = {"npu_sim": _best_of(lambda: vm["main"](tx), args.runs)}
+    for name, interpreter in interpreters.items():
+        timings[name] = _best_of(lambda i=interpreter: run_litert(i), args.runs)
+
+    clock = get_clock(args.preset)
+    print(f"model: {MODEL.name}, best of {args.runs} runs, 1 thread")
+    for name, ms in timings.items():
+        print(f"  {name:<11} {ms:9.2f} ms/inference")
+    print(f"  ratio npu_sim / litert_ref = {timings['npu_sim'] / timings['litert_ref']:.2f}")
+    print(f"  ratio npu_sim / litert_opt = {timings['npu_sim'] / timings['litert_opt']:.2f}")
+    print(f"simulated NPU ({args.preset}): {prof.total_cycles} cycles = {prof.total_cycles / clock / 1e3:.3f} ms "
+          f"at {clock} MHz, {prof.total_macs} MACs, {prof.total_dram_bytes} DMA bytes, "
+          f"{len(prof.runs)} NPU calls")
+    print(f"output bit-exact with litert_ref: {exact}")
+
+
+def get_clock(preset: str) -> int:
+    return npu_backend.get_config(preset).clock_mhz
+
+
+if __name__ == "__main__":
+    main()

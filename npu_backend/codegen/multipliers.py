@@ -1,0 +1,45 @@
+"""Fixed-point multipliers of each operator, prepared exactly as TFLite prepares them.
+
+The pattern check calls this too, so an operator whose scales cannot be
+represented stays on the host instead of failing at code generation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from simulator import numerics
+
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams
+
+
+def conv_multipliers(p: ConvParams):
+    """Per-channel (multiplier, shift); per-tensor fully connected multiplies scales in float32.
+
+    With ``Rounding.FLOAT64`` the pair is the float64 scale split into its two
+    32-bit halves, the layout the output stage reads in that mode.
+    """
+    if p.rounding == numerics.Rounding.FLOAT64:
+        words = numerics.float_scales(p.input_scale, p.weight_scales, p.output_scale).view(np.int32)
+        return words[0::2].copy(), words[1::2].copy()
+    if p.op == NpuOp.FULLY_CONNECTED and not p.per_channel:
+        multiplier, shift = numerics.fully_connected_multiplier(
+            p.input_scale, p.weight_scales[0], p.output_scale, p.rounding)
+        return np.repeat(multiplier, p.out_channels), np.repeat(shift, p.out_channels)
+    return numerics.conv_multipliers(p.input_scale, p.weight_scales, p.output_scale, p.rounding)
+
+
+def add_multipliers(p: AddParams):
+    return numerics.add_multipliers(p.input_scale, p.input2_scale, p.output_scale, p.rounding)
+
+
+def mean_multiplier(p: MeanParams):
+    _, height, width, _ = p.ifm_shape
+    return numerics.mean_multiplier(p.input_scale, p.output_scale, height * width, p.rounding)
+
+
+DERIVE = {ConvParams: conv_multipliers, AddParams: add_multipliers, MeanParams: mean_multiplier}
+
+
+def derive_multipliers(p: NpuParams):
+    return DERIVE[type(p)](p)
