@@ -1,22 +1,29 @@
 """Regenerate the TFLite golden fixtures in tests/fixtures/tflite/.
 
-Why: the test suite must compare against TFLite's reference kernels without
-importing TensorFlow, so this script builds small full-integer int8 models with
-random weights (fixed seeds), runs LiteRT's BUILTIN_REF interpreter on random
-int8 inputs, and stores model, inputs and reference outputs side by side.
+Why: the backend must be bit-exact against TFLite's reference kernels, but the
+test suite must not depend on TensorFlow. This script builds small full-integer
+int8 models with random (untrained, seeded) weights, runs LiteRT's BUILTIN_REF
+interpreter on seeded random int8 inputs, and stores each model next to its
+inputs, reference outputs and I/O quantization parameters (`<name>.npz`), plus
+a MANIFEST.json that the tests parametrize over.
 
-Run (needs the `fixtures` extra: tensorflow-cpu, ai-edge-litert):
+Run from the repository root, in an environment with the `fixtures` extra
+(tensorflow-cpu, ai-edge-litert), e.g. `pip install -e ".[fixtures]"`:
 
-    pip install ".[fixtures]" && python scripts/make_tflite_fixtures.py
+    python scripts/make_tflite_fixtures.py
 
-The tests themselves never import TensorFlow.
+It overwrites tests/fixtures/tflite/ and removes models no longer listed here.
+Reruns produce byte-identical files. The tests themselves never import
+TensorFlow; they only read the files written here.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass, field
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
@@ -27,101 +34,131 @@ from ai_edge_litert.interpreter import Interpreter, OpResolverType
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tflite"
 SAMPLES = 8
+CALIBRATION_SAMPLES = 20
+MAC_OPS = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"}
+ACTIVATIONS: dict[str | None, Callable | None] = {None: None, "relu": tf.nn.relu, "relu6": tf.nn.relu6}
+# Fewer distinct MobileNetV2 outputs than this means the random network has
+# collapsed, and the fixture would no longer catch arithmetic mistakes.
+MIN_NETWORK_DISTINCT_OUTPUTS = 64
 
 
 @dataclass(frozen=True)
 class Spec:
-    """One single-layer model: a Keras layer on a small int8 input."""
+    """One single-layer model. `out_channels` is the filter count (conv2d) or
+    unit count (fully_connected); depthwise layers keep their input channels."""
 
     name: str
-    kind: str
-    input_shape: tuple
-    layer: str
-    options: dict = field(default_factory=dict)
+    kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected"
+    input_shape: tuple[int, ...] = (12, 12, 8)
+    kernel: int = 3
+    stride: int = 1
+    padding: str = "same"
+    dilation: int = 1
+    activation: str | None = None
+    use_bias: bool = True
+    out_channels: int = 16
     per_channel: bool = True
 
 
+DW = (12, 12, 16)
+FC = (64,)
 SPECS = [
-    Spec("conv2d_3x3_s1_same", "conv2d", (12, 12, 8), "conv", dict(filters=16, kernel_size=3, padding="same")),
-    Spec("conv2d_3x3_s2_same_relu", "conv2d", (12, 12, 8), "conv",
-         dict(filters=16, kernel_size=3, strides=2, padding="same", activation="relu")),
-    Spec("conv2d_3x3_s1_valid_relu6", "conv2d", (12, 12, 8), "conv",
-         dict(filters=16, kernel_size=3, padding="valid", activation="relu6")),
-    Spec("conv2d_3x3_s2_valid", "conv2d", (12, 12, 8), "conv",
-         dict(filters=16, kernel_size=3, strides=2, padding="valid")),
-    Spec("conv2d_3x3_dilation2_same", "conv2d", (12, 12, 8), "conv",
-         dict(filters=16, kernel_size=3, dilation_rate=2, padding="same")),
-    Spec("conv2d_1x1", "conv2d", (12, 12, 8), "conv", dict(filters=16, kernel_size=1)),
-    Spec("conv2d_5x5_same_nobias", "conv2d", (12, 12, 8), "conv",
-         dict(filters=16, kernel_size=5, padding="same", use_bias=False)),
-    Spec("conv2d_3x3_s2_same_odd", "conv2d", (11, 13, 3), "conv",
-         dict(filters=8, kernel_size=3, strides=2, padding="same", activation="relu")),
-    Spec("conv2d_3x3_same_relu_per_tensor", "conv2d", (12, 12, 8), "conv",
-         dict(filters=16, kernel_size=3, padding="same", activation="relu"), per_channel=False),
-    Spec("depthwise_3x3_s1_same_relu6", "depthwise_conv2d", (12, 12, 16), "depthwise",
-         dict(kernel_size=3, padding="same", activation="relu6")),
-    Spec("depthwise_3x3_s2_same", "depthwise_conv2d", (12, 12, 16), "depthwise",
-         dict(kernel_size=3, strides=2, padding="same")),
-    Spec("depthwise_3x3_s1_valid_relu", "depthwise_conv2d", (12, 12, 16), "depthwise",
-         dict(kernel_size=3, padding="valid", activation="relu")),
-    Spec("depthwise_3x3_dilation2_same", "depthwise_conv2d", (12, 12, 16), "depthwise",
-         dict(kernel_size=3, dilation_rate=2, padding="same")),
-    Spec("depthwise_3x3_same_relu6_per_tensor", "depthwise_conv2d", (12, 12, 16), "depthwise",
-         dict(kernel_size=3, padding="same", activation="relu6"), per_channel=False),
-    Spec("fc_64x10", "fully_connected", (64,), "dense", dict(units=10)),
-    Spec("fc_64x10_relu", "fully_connected", (64,), "dense", dict(units=10, activation="relu")),
-    Spec("fc_64x10_relu6", "fully_connected", (64,), "dense", dict(units=10, activation="relu6")),
-    Spec("fc_64x10_per_tensor", "fully_connected", (64,), "dense", dict(units=10), per_channel=False),
+    Spec("conv2d_3x3_s1_same", "conv2d"),
+    Spec("conv2d_3x3_s2_same_relu", "conv2d", stride=2, activation="relu"),
+    Spec("conv2d_3x3_s1_valid_relu6", "conv2d", padding="valid", activation="relu6"),
+    Spec("conv2d_3x3_s2_valid", "conv2d", stride=2, padding="valid"),
+    Spec("conv2d_3x3_dilation2_same", "conv2d", dilation=2),
+    Spec("conv2d_1x1", "conv2d", kernel=1),
+    Spec("conv2d_5x5_same_nobias", "conv2d", kernel=5, use_bias=False),
+    Spec("conv2d_3x3_s2_same_odd", "conv2d", input_shape=(11, 13, 3), stride=2, activation="relu", out_channels=8),
+    Spec("conv2d_3x3_same_relu_per_tensor", "conv2d", activation="relu", per_channel=False),
+    Spec("depthwise_3x3_s1_same_relu6", "depthwise_conv2d", DW, activation="relu6"),
+    Spec("depthwise_3x3_s2_same", "depthwise_conv2d", DW, stride=2),
+    Spec("depthwise_3x3_s1_valid_relu", "depthwise_conv2d", DW, padding="valid", activation="relu"),
+    Spec("depthwise_3x3_dilation2_same", "depthwise_conv2d", DW, dilation=2),
+    Spec("depthwise_3x3_same_relu6_per_tensor", "depthwise_conv2d", DW, activation="relu6", per_channel=False),
+    Spec("fc_64x10", "fully_connected", FC, out_channels=10),
+    Spec("fc_64x10_relu", "fully_connected", FC, activation="relu", out_channels=10),
+    Spec("fc_64x10_relu6", "fully_connected", FC, activation="relu6", out_channels=10),
+    Spec("fc_64x10_per_tensor", "fully_connected", FC, out_channels=10, per_channel=False),
 ]
+EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED"}
 
-LAYERS = {
-    "conv": tf.keras.layers.Conv2D,
-    "depthwise": tf.keras.layers.DepthwiseConv2D,
-    "dense": tf.keras.layers.Dense,
-}
-
-
-def _random_init(seed: int):
-    return dict(kernel_initializer=tf.keras.initializers.RandomNormal(stddev=0.3, seed=seed),
-                bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + 1))
+NETWORK_NAME = "mobilenet_v2_035_96"
+NETWORK_DESCRIPTION = ("Keras MobileNetV2 alpha 0.35, 96x96x3 input, 1000 classes, classifier_activation=None, "
+                       "random weights and randomized BatchNorm statistics, per-channel weights")
 
 
-def single_layer_model(spec: Spec, seed: int) -> tf.keras.Model:
+def seed_of(name: str) -> int:
+    """Seed from the model name, so reordering or adding specs leaves other fixtures unchanged."""
+    return zlib.crc32(name.encode()) % 2**31
+
+
+def describe(spec: Spec) -> str:
+    shape = "x".join(map(str, (1, *spec.input_shape)))
+    weights = "per-channel" if spec.per_channel else "per-tensor"
+    activation = spec.activation or "no activation"
+    if spec.kind == "fully_connected":
+        return f"Dense {spec.input_shape[0]}->{spec.out_channels}, {activation}, {weights} weights"
+    bias = "bias" if spec.use_bias else "no bias"
+    return (f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} dilation {spec.dilation} "
+            f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights")
+
+
+def single_layer_model(spec: Spec) -> tf.keras.Model:
+    """One Keras layer with random normal weights and biases.
+
+    A random bias (Keras defaults to zeros) shifts each channel differently, so
+    outputs use the int8 range instead of collapsing around the zero point.
+    """
+    seed = seed_of(spec.name)
+    kernel_init = tf.keras.initializers.RandomNormal(stddev=0.3, seed=seed)
+    shared = dict(activation=ACTIVATIONS[spec.activation], use_bias=spec.use_bias,
+                 bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + 1))
+    window = dict(kernel_size=spec.kernel, strides=spec.stride, padding=spec.padding, dilation_rate=spec.dilation)
+    if spec.kind == "conv2d":
+        layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
+    elif spec.kind == "depthwise_conv2d":
+        layer = tf.keras.layers.DepthwiseConv2D(depth_multiplier=1, depthwise_initializer=kernel_init, **window,
+                                                **shared)
+    else:
+        layer = tf.keras.layers.Dense(spec.out_channels, kernel_initializer=kernel_init, **shared)
     inputs = tf.keras.Input(spec.input_shape, batch_size=1)
-    options = dict(spec.options)
-    init = _random_init(seed)
-    if spec.layer == "depthwise":
-        init = dict(depthwise_initializer=init["kernel_initializer"], bias_initializer=init["bias_initializer"])
-    if not options.get("use_bias", True):
-        init.pop("bias_initializer")
-    return tf.keras.Model(inputs, LAYERS[spec.layer](**options, **init)(inputs))
+    return tf.keras.Model(inputs, layer(inputs), name=spec.name)
 
 
 def mobilenet_v2(seed: int) -> tf.keras.Model:
-    """MobileNetV2 alpha 0.35 at 96x96 with random weights and randomized BatchNorm statistics.
+    """MobileNetV2 alpha 0.35 at 96x96 with random weights and randomized BatchNorm parameters.
 
-    Randomized BN statistics keep activations from collapsing, which would
-    otherwise make every output constant and hide arithmetic mistakes.
+    Freshly initialised BatchNorm (mean 0, variance 1, gamma 1, beta 0) on
+    untrained weights lets activations drift and collapse through 17 blocks, so
+    every class logit would quantize to nearly the same value and hide
+    arithmetic mistakes; random per-channel statistics keep them spread.
     """
     model = tf.keras.applications.MobileNetV2(input_shape=(96, 96, 3), alpha=0.35, weights=None,
                                               classifier_activation=None, classes=1000)
     rng = np.random.default_rng(seed)
     for layer in model.layers:
         if isinstance(layer, tf.keras.layers.BatchNormalization):
-            gamma, beta, mean, var = layer.get_weights()
-            layer.set_weights([rng.uniform(0.5, 1.5, gamma.shape).astype(np.float32),
-                               rng.normal(0, 0.1, beta.shape).astype(np.float32),
-                               rng.normal(0, 0.1, mean.shape).astype(np.float32),
-                               rng.uniform(0.5, 1.5, var.shape).astype(np.float32)])
+            shape = layer.gamma.shape
+            layer.set_weights([rng.uniform(0.5, 1.5, shape).astype(np.float32),   # gamma
+                               rng.normal(0.0, 0.1, shape).astype(np.float32),    # beta
+                               rng.normal(0.0, 0.1, shape).astype(np.float32),    # moving mean
+                               rng.uniform(0.5, 1.5, shape).astype(np.float32)])  # moving variance
     return model
 
 
 def convert(model: tf.keras.Model, seed: int, per_channel: bool) -> bytes:
+    """Full-integer int8 conversion, calibrated on uniform [-1, 1] inputs (MobileNetV2's input range).
+
+    `_experimental_disable_per_channel` is private but is the only converter
+    switch that gives per-tensor conv/depthwise weights; main() verifies it took effect.
+    """
     shape = (1, *model.input_shape[1:])
 
-    def representative():
-        rng = np.random.default_rng(seed)
-        for _ in range(20):
+    def representative() -> Iterator[list[np.ndarray]]:
+        rng = np.random.default_rng((seed, 0))
+        for _ in range(CALIBRATION_SAMPLES):
             yield [rng.uniform(-1, 1, shape).astype(np.float32)]
 
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
@@ -130,16 +167,16 @@ def convert(model: tf.keras.Model, seed: int, per_channel: bool) -> bytes:
     converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
     converter.inference_input_type = tf.int8
     converter.inference_output_type = tf.int8
-    if not per_channel:
-        converter._experimental_disable_per_channel = True
+    converter._experimental_disable_per_channel = not per_channel
     return converter.convert()
 
 
 def reference(path: Path, seed: int) -> dict[str, np.ndarray]:
+    """Seeded int8 inputs over the whole int8 range and BUILTIN_REF outputs, plus I/O quantization."""
     interpreter = Interpreter(model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
     interpreter.allocate_tensors()
     (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng((seed, 1))
     inputs = rng.integers(-128, 128, (SAMPLES, *inp["shape"]), dtype=np.int8)
     outputs = []
     for x in inputs:
@@ -147,48 +184,79 @@ def reference(path: Path, seed: int) -> dict[str, np.ndarray]:
         interpreter.invoke()
         outputs.append(interpreter.get_tensor(out["index"]).copy())
     return dict(inputs=inputs, outputs=np.stack(outputs),
-                input_scale=inp["quantization"][0], input_zero_point=inp["quantization"][1],
-                output_scale=out["quantization"][0], output_zero_point=out["quantization"][1])
+                input_scale=np.float32(inp["quantization"][0]), input_zero_point=np.int32(inp["quantization"][1]),
+                output_scale=np.float32(out["quantization"][0]), output_zero_point=np.int32(out["quantization"][1]))
 
 
-def max_scale_count(path: Path) -> int:
-    """Largest number of scales on any tensor: > 1 exactly when some weights are per channel."""
-    details = Interpreter(model_path=str(path)).get_tensor_details()
-    return max(len(t["quantization_parameters"]["scales"]) for t in details)
-
-
-def operators(path: Path) -> list[str]:
+def inspect(path: Path) -> tuple[list[str], list[int]]:
+    """Operator names in execution order, and the number of weight scales of each conv/depthwise/FC."""
     interpreter = Interpreter(model_path=str(path))
-    return sorted({op["op_name"] for op in interpreter._get_ops_details()})
+    tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
+    ops = interpreter._get_ops_details()
+    scales = [len(tensors[op["inputs"][1]]["quantization_parameters"]["scales"])
+              for op in ops if op["op_name"] in MAC_OPS]
+    return [op["op_name"] for op in ops], scales
 
 
-def write(name: str, kind: str, description: str, data: bytes, seed: int, per_channel: bool) -> dict:
+def check(name: str, ops: list[str], weight_scales: list[int], per_channel: bool, expected_op: str | None) -> None:
+    """Fail loudly if the converter inserted extra ops or ignored the per-channel setting."""
+    if expected_op is not None and ops != [expected_op]:
+        raise SystemExit(f"{name}: expected a single {expected_op}, converter produced {ops}")
+    if not weight_scales or any((n > 1) != per_channel for n in weight_scales):
+        raise SystemExit(f"{name}: weight scale counts {weight_scales} do not match per_channel={per_channel}")
+
+
+def write(name: str, kind: str, description: str, model: tf.keras.Model, per_channel: bool,
+          expected_op: str | None = None) -> dict:
+    """Convert, store model and goldens, print a summary line and return the manifest entry."""
+    seed = seed_of(name)
     path = OUT / f"{name}.tflite"
-    path.write_bytes(data)
+    path.write_bytes(convert(model, seed, per_channel))
+    ops, weight_scales = inspect(path)
+    check(name, ops, weight_scales, per_channel, expected_op)
     golden = reference(path, seed)
     np.savez_compressed(path.with_suffix(".npz"), **golden)
-    distinct = len(np.unique(golden["outputs"]))
-    if (max_scale_count(path) > 1) != per_channel:
-        raise SystemExit(f"{name}: converter did not honour per_channel={per_channel}")
-    print(f"{name:<40} {len(data):>8} B  {distinct:>4} distinct output values")
+    outputs = golden["outputs"]
+    saturated = np.mean((outputs == -128) | (outputs == 127))
+    print(f"{name:<37} {path.stat().st_size:>8} B  {'x'.join(map(str, outputs.shape[1:])):<12} "
+          f"{len(np.unique(outputs)):>3} distinct, {saturated:4.0%} at -128/127  "
+          f"{'per-channel' if per_channel else 'per-tensor '}  {' '.join(sorted(set(ops)))}")
     return dict(name=name, file=path.name, kind=kind, description=description, per_channel=per_channel,
-                operators=operators(path))
+                operators=sorted(set(ops)))
+
+
+def check_network_outputs(name: str) -> None:
+    """Print and enforce the spread of the network's outputs across the sample inputs."""
+    outputs = np.load(OUT / f"{name}.npz")["outputs"].reshape(SAMPLES, -1)
+    distinct = len(np.unique(outputs))
+    distinct_rows = len(np.unique(outputs, axis=0))
+    print(f"{name}: {distinct} distinct output values, {distinct_rows}/{SAMPLES} distinct output vectors, "
+          f"per-sample argmax {outputs.argmax(axis=1).tolist()}")
+    if distinct < MIN_NETWORK_DISTINCT_OUTPUTS or distinct_rows < SAMPLES:
+        raise SystemExit(f"{name}: outputs are near-constant; change the BatchNorm randomization")
+
+
+def remove_stale(keep: set[str]) -> None:
+    """Delete fixtures of models that are no longer generated, so reruns leave exactly this script's output."""
+    for path in [*OUT.glob("*.tflite"), *OUT.glob("*.npz")]:
+        if path.stem not in keep:
+            path.unlink()
+            print(f"removed stale {path.name}")
 
 
 def main() -> None:
     OUT.mkdir(parents=True, exist_ok=True)
     manifest = []
-    for index, spec in enumerate(SPECS):
-        seed = 1000 + index
-        tf.keras.utils.set_random_seed(seed)
-        model = single_layer_model(spec, seed)
-        description = f"{spec.layer} {spec.options} on {spec.input_shape}"
-        manifest.append(write(spec.name, spec.kind, description, convert(model, seed, spec.per_channel), seed,
-                              spec.per_channel))
-    tf.keras.utils.set_random_seed(7)
-    manifest.append(write("mobilenet_v2_035_96", "network",
-                          "MobileNetV2 alpha 0.35, 96x96, random weights, classifier_activation=None",
-                          convert(mobilenet_v2(7), 7, True), 7, True))
+    for spec in SPECS:
+        tf.keras.backend.clear_session()
+        tf.keras.utils.set_random_seed(seed_of(spec.name))
+        manifest.append(write(spec.name, spec.kind, describe(spec), single_layer_model(spec), spec.per_channel,
+                              EXPECTED_OP[spec.kind]))
+    tf.keras.backend.clear_session()
+    tf.keras.utils.set_random_seed(seed_of(NETWORK_NAME))
+    manifest.append(write(NETWORK_NAME, "network", NETWORK_DESCRIPTION, mobilenet_v2(seed_of(NETWORK_NAME)), True))
+    check_network_outputs(NETWORK_NAME)
+    remove_stale({entry["name"] for entry in manifest})
     (OUT / "MANIFEST.json").write_text(json.dumps({"models": manifest}, indent=1) + "\n")
 
 

@@ -79,3 +79,67 @@ def fully_connected(x, w, bias, mult, shift, in_zp, out_zp, act):
             values.append(min(max(value, act[0]), act[1]))
         out.append(values)
     return out
+
+
+def quantize_multiplier(real: float) -> tuple[int, int]:
+    """TFLite QuantizeMultiplier, restated independently (frexp, round half away, 2**31 fix-up)."""
+    if real == 0:
+        return 0, 0
+    import math
+
+    q, shift = math.frexp(real)
+    q_fixed = int(math.floor(q * 2**31 + 0.5))
+    if q_fixed == 2**31:
+        q_fixed, shift = q_fixed // 2, shift + 1
+    if shift < -31:
+        return 0, 0
+    return q_fixed, shift
+
+
+def add(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
+    """TFLite reference int8 ADD, element by element, parameters prepared as in add.cc."""
+    left_shift = 20
+    twice_max = 2.0 * max(s1, s2)
+    m1, sh1 = quantize_multiplier(s1 / twice_max)
+    m2, sh2 = quantize_multiplier(s2 / twice_max)
+    mo, sho = quantize_multiplier(twice_max / ((1 << left_shift) * s_out))
+    out = []
+    for a, b in zip(x1, x2):
+        a_scaled = multiply_by_quantized_multiplier((a - zp1) * (1 << left_shift), m1, sh1)
+        b_scaled = multiply_by_quantized_multiplier((b - zp2) * (1 << left_shift), m2, sh2)
+        value = multiply_by_quantized_multiplier(a_scaled + b_scaled, mo, sho) + zp_out
+        out.append(min(max(value, act[0]), act[1]))
+    return out
+
+
+def mean_hw(x, s_in, zp_in, s_out, zp_out):
+    """TFLite reference int8 MEAN over height and width (QuantizedMeanOrSum); x is [H][W][C]."""
+    h, w, c = len(x), len(x[0]), len(x[0][0])
+    count = h * w
+    multiplier, shift = quantize_multiplier(s_in / s_out)
+    k = min(count.bit_length() - 1, 32, 31 + shift)
+    multiplier, shift = (multiplier << k) // count, shift - k
+    out = []
+    for ch in range(c):
+        total = sum(x[i][j][ch] for i in range(h) for j in range(w)) - zp_in * count
+        value = multiply_by_quantized_multiplier(total, multiplier, shift) + zp_out
+        out.append(min(max(value, -128), 127))
+    return out
+
+
+def fully_connected_float(x, w, bias, s_in, w_scales, s_out, in_zp, out_zp, act):
+    """TFLite reference per-channel FULLY_CONNECTED: requantization in double with C round()."""
+    import math
+
+    out = []
+    for row in x:
+        values = []
+        for oc, weights in enumerate(w):
+            acc = sum((v - in_zp) * wv for v, wv in zip(row, weights)) + bias[oc]
+            product = float(acc) * (s_in * w_scales[oc] / s_out)
+            rounded = math.trunc(product)  # C round(): half away from zero
+            if abs(product - rounded) >= 0.5:
+                rounded += 1 if product > 0 else -1
+            values.append(min(max(rounded + out_zp, act[0]), act[1]))
+        out.append(values)
+    return out

@@ -114,3 +114,34 @@ class ConvIdiom:
         if self.clip is None:
             return q
         return relax.op.clip(bb.emit(q), float(self.clip[0]), float(self.clip[1]))
+
+
+def add_module(shape=(1, 6, 6, 8), shape2=None, q1=(0.03, -5), q2=(0.02, 7), q_out=(0.05, 1), clip=None):
+    """quantize(add(dequantize(a), dequantize(b))) [-> clip], the importer's int8 ADD."""
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType(shape, "int8"))
+    b = relax.Var("b", relax.TensorType(shape2 or shape, "int8"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            da = bb.emit(relax.op.dequantize(a, f32(q1[0]), i32(q1[1]), axis=0))
+            db = bb.emit(relax.op.dequantize(b, f32(q2[0]), i32(q2[1]), axis=0))
+            s = bb.emit(relax.op.add(da, db))
+            out = relax.op.quantize(s, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8")
+            if clip is not None:
+                out = relax.op.clip(bb.emit(out), float(clip[0]), float(clip[1]))
+            gv = bb.emit_output(out)
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def mean_module(shape=(1, 5, 5, 16), axis=(1, 2), keepdims=False, q_in=(0.02, -128), q_out=(0.01, -128)):
+    """quantize(mean(dequantize(x))), the importer's int8 MEAN (global average pooling)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dx = bb.emit(relax.op.dequantize(x, f32(q_in[0]), i32(q_in[1]), axis=0))
+            m = bb.emit(relax.op.mean(dx, axis=list(axis), keepdims=keepdims))
+            gv = bb.emit_output(relax.op.quantize(m, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()

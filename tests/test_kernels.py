@@ -54,3 +54,53 @@ def test_planner_splits_channels_when_rows_alone_do_not_fit():
     p = random_params(np.random.default_rng(0), NpuOp.CONV2D, (1, 8, 8, 8), out_channels=256)
     plan = plan_layer(p, TINY_SRAM)
     assert plan.channel_tile < 256 and plan.sram_used <= TINY_SRAM.sram_bytes
+
+
+def test_float64_rounding_fully_connected_matches_reference():
+    """Per-channel FC requantizes in double (TFLite's reference kernel), one tile and tiled."""
+    import reference_kernels as ref
+    from simulator.numerics import Rounding
+
+    rng = np.random.default_rng(11)
+    p = dataclasses.replace(random_params(rng, NpuOp.FULLY_CONNECTED, (4, 48), out_channels=20),
+                            rounding=Rounding.FLOAT64)
+    x = rng.integers(-128, 128, p.ifm_shape, dtype=np.int8)
+    want = ref.fully_connected_float(x.tolist(), p.weights.tolist(), p.bias.tolist(), p.input_scale,
+                                     [float(s) for s in p.weight_scales], p.output_scale,
+                                     p.input_zero_point, p.output_zero_point, p.clamp)
+    for config in (BASE, TINY_SRAM):
+        got, _ = run_layer(p, config, x)
+        np.testing.assert_array_equal(got, np.array(want, dtype=np.int8))
+
+
+@pytest.mark.parametrize("config", [BASE, TINY_SRAM], ids=["one_tile", "tiled"])
+def test_add_matches_reference(config):
+    import reference_kernels as ref
+    from npu_backend.params import AddParams
+
+    rng = np.random.default_rng(5)
+    p = AddParams(op=NpuOp.ADD, shape=(1, 9, 11, 7), input_scale=float(np.float32(0.031)), input_zero_point=-7,
+                  input2_scale=float(np.float32(0.017)), input2_zero_point=12,
+                  output_scale=float(np.float32(0.04)), output_zero_point=3, clamp=(-100, 127))
+    x1, x2 = (rng.integers(-128, 128, p.shape, dtype=np.int8) for _ in range(2))
+    got, stats = run_layer(p, config, x1, x2)
+    want = ref.add(x1.ravel().tolist(), x2.ravel().tolist(), p.input_scale, -7, p.input2_scale, 12,
+                   p.output_scale, 3, p.clamp)
+    np.testing.assert_array_equal(got.ravel(), np.array(want, dtype=np.int8))
+    assert sum(c.opcode == Opcode.ADD for c in stats.commands) == (1 if config is BASE else 3)
+
+
+@pytest.mark.parametrize("config", [BASE, TINY_SRAM], ids=["one_tile", "tiled"])
+def test_mean_matches_reference(config):
+    import reference_kernels as ref
+    from npu_backend.params import MeanParams
+
+    rng = np.random.default_rng(6)
+    p = MeanParams(op=NpuOp.MEAN, ifm_shape=(1, 7, 5, 40), ofm_shape=(1, 40),
+                   input_scale=float(np.float32(0.02)), input_zero_point=-9,
+                   output_scale=float(np.float32(0.011)), output_zero_point=4)
+    x = rng.integers(-128, 128, p.ifm_shape, dtype=np.int8)
+    got, stats = run_layer(p, config, x)
+    want = ref.mean_hw(x[0].tolist(), p.input_scale, -9, p.output_scale, 4)
+    np.testing.assert_array_equal(got.ravel(), np.array(want, dtype=np.int8))
+    assert sum(c.opcode == Opcode.MEAN for c in stats.commands) == (1 if config is BASE else 2)

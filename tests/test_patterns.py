@@ -156,3 +156,50 @@ def test_composites_carry_qparams_that_survive_the_text_round_trip():
     assert {"npu.input_scale", "npu.input_zero_point", "npu.weight_scales", "npu.weight_axis", "npu.bias",
             "npu.output_scale", "npu.output_zero_point", "npu.clamp", "npu.rounding"} <= keys
     assert str(inner.attrs["npu.rounding"]) == "TFLITE_DOUBLE"
+
+
+def test_add_with_fused_relu():
+    from relax_idioms import add_module
+
+    mod = npu_backend.partition_for_npu(add_module(clip=(1, 127)))
+    (name, p), = composites(mod)
+    assert name == "npu.add"
+    assert (p.input_scale, p.input_zero_point) == (np.float32(0.03), -5)
+    assert (p.input2_scale, p.input2_zero_point) == (np.float32(0.02), 7)
+    assert (p.output_scale, p.output_zero_point, p.clamp) == (np.float32(0.05), 1, (1, 127))
+    assert p.shape == (1, 6, 6, 8)
+
+
+def test_broadcasting_add_stays_on_host():
+    from relax_idioms import add_module
+
+    mod = npu_backend.partition_for_npu(add_module(shape2=(1, 1, 1, 8)))
+    assert composites(mod) == []
+    add = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.add")
+    assert "broadcasting add" in add.reason
+
+
+def test_add_whose_output_scale_cannot_be_reached_stays_on_host():
+    from relax_idioms import add_module
+
+    mod = npu_backend.partition_for_npu(add_module(q1=(1.0, 0), q2=(1.0, 0), q_out=(1e-7, 0)))
+    add = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.add")
+    assert "output multiplier" in add.reason
+
+
+def test_global_mean():
+    from relax_idioms import mean_module
+
+    mod = npu_backend.partition_for_npu(mean_module())
+    (name, p), = composites(mod)
+    assert name == "npu.mean" and p.ifm_shape == (1, 5, 5, 16) and p.ofm_shape == (1, 16)
+    assert (p.input_zero_point, p.output_zero_point) == (-128, -128)
+
+
+def test_mean_over_channels_stays_on_host():
+    from relax_idioms import mean_module
+
+    mod = npu_backend.partition_for_npu(mean_module(axis=(3,)))
+    assert composites(mod) == []
+    mean = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.mean")
+    assert "axes 1, 2" in mean.reason

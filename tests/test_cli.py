@@ -1,0 +1,68 @@
+"""The npu command: the main job works, and bad input ends as one line with exit status 2."""
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import FIXTURES
+from npu_backend.cli import main
+
+MODEL = FIXTURES / "tflite" / "conv2d_3x3_s2_same_relu.tflite"
+
+
+def test_run_reports_placement_cycles_and_reference(capsys):
+    assert main(["run", str(MODEL)]) == 0
+    out = capsys.readouterr().out
+    assert "npu.conv2d" in out and "cycles" in out
+    assert "reference (TFLite BUILTIN_REF): MATCH" in out
+
+
+def test_compile_inspect_sim_round_trip(tmp_path, capsys):
+    assert main(["compile", str(MODEL), "-o", str(tmp_path)]) == 0
+    streams = sorted(tmp_path.glob("*.npucmd"))
+    assert len(streams) == 1 and (tmp_path / "partition.json").exists()
+    assert main(["inspect", str(streams[0])]) == 0
+    listing = capsys.readouterr().out
+    assert "(valid)" in listing and "CONV2D" in listing and "DMA_COPY" in listing
+    golden = np.load(MODEL.with_suffix(".npz"))
+    np.save(tmp_path / "x.npy", golden["inputs"][0])
+    name = "serving_default_keras_tensor:0"
+    assert main(["sim", str(streams[0]), "--input", f"{name}={tmp_path / 'x.npy'}",
+                 "--output", str(tmp_path / "y.npz")]) == 0
+    np.testing.assert_array_equal(np.load(tmp_path / "y.npz")["output0"], golden["outputs"][0])
+
+
+@pytest.mark.parametrize("make_args, message", [
+    (lambda d: ["run", str(d / "missing.tflite")], "cannot read"),
+    (lambda d: ["run", str(d / "garbage.tflite")], "not a TFLite flatbuffer"),
+    (lambda d: ["run", str(d / "truncated.tflite")], "importer rejected truncated.tflite"),
+    (lambda d: ["inspect", str(d / "garbage.tflite")], "not a command stream"),
+    (lambda d: ["sim", str(d / "truncated.npucmd")], "corrupt command stream|claims"),
+    (lambda d: ["sim", str(d / "good.npucmd"), "--input", "nonsense"], "NAME=FILE.npy"),
+    (lambda d: ["sim", str(d / "good.npucmd"), "--input", f"serving_default_keras_tensor:0={d / 'wrong.npy'}"],
+     "must be int8"),
+    (lambda d: ["sim", str(d / "good.npucmd")], "missing"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, make_args, message):
+    (tmp_path / "garbage.tflite").write_bytes(b"\x00" * 64)
+    (tmp_path / "truncated.tflite").write_bytes(MODEL.read_bytes()[:1500])
+    main(["compile", str(MODEL), "-o", str(tmp_path / "c")])
+    good = next((tmp_path / "c").glob("*.npucmd")).read_bytes()
+    (tmp_path / "good.npucmd").write_bytes(good)
+    (tmp_path / "truncated.npucmd").write_bytes(good[: len(good) // 2])
+    np.save(tmp_path / "wrong.npy", np.zeros((1, 12, 12, 8), np.float32))
+    capsys.readouterr()
+    assert main(make_args(tmp_path)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("npu: error: ")
+    assert __import__("re").search(message, err[0]), err[0]
+
+
+def test_console_exit_status_is_real(tmp_path):
+    (tmp_path / "bad.npucmd").write_bytes(b"nonsense")
+    result = subprocess.run([sys.executable, "-m", "npu_backend.cli", "inspect", str(tmp_path / "bad.npucmd")],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "npu: error: not a command stream: missing the 'NPUC' file identifier"
