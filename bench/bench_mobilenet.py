@@ -67,7 +67,7 @@ def main() -> None:
     for name, interpreter in interpreters.items():
         timings[name] = _best_of(lambda i=interpreter: run_litert(i), args.runs)
 
-    clock = get_clock(args.preset)
+    clock = npu_backend.get_config(args.preset).clock_mhz
     print(f"model: {MODEL.name}, best of {args.runs} runs, 1 thread")
     for name, ms in timings.items():
         print(f"  {name:<11} {ms:9.2f} ms/inference")
@@ -77,10 +77,6 @@ def main() -> None:
           f"at {clock} MHz, {prof.total_macs} MACs, {prof.total_dram_bytes} DMA bytes, "
           f"{len(prof.runs)} NPU calls")
     print(f"output bit-exact with litert_ref: {exact}")
-
-
-def get_clock(preset: str) -> int:
-    return npu_backend.get_config(preset).clock_mhz
 
 
 if __name__ == "__main__":
