@@ -12,8 +12,8 @@ from .codegen.lower import CONFIG_ATTR
 from .params import to_attrs
 from .patterns import ENTRY_BY_NAME, PREFIX, PartitionContext, registered_patterns
 from .patterns.table import ACTIVE_CONTEXT
+from .errors import NpuError
 from .report import NO_PATTERN, REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings
-
 
 
 def _match_annotations(entry, func: relax.Function) -> dict:
@@ -25,7 +25,7 @@ def _match_annotations(entry, func: relax.Function) -> dict:
         matched = pattern.extract_matched_expr(root, var2val)
         if matched is not None:
             return {name: matched[p] for name, p in annotations.items() if p in matched}
-    raise AssertionError(f"composite {entry.name} no longer matches its own pattern")
+    raise RuntimeError(f"internal error: composite {entry.name} no longer matches its own pattern")
 
 
 def _annotate_composites(mod: tvm.IRModule) -> tvm.IRModule:
@@ -116,6 +116,8 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET) -> tvm.IR
         :func:`npu_backend.build` which does both.
     """
     config = get_config(preset)
+    if not isinstance(mod, tvm.IRModule) or "main" not in mod:
+        raise NpuError("partition_for_npu needs an IRModule with a 'main' function")
     original = relax.transform.ConvertToDataflow()(mod)
     context = PartitionContext(config)
     token = ACTIVE_CONTEXT.set(context)
