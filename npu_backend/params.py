@@ -49,6 +49,8 @@ class NpuOp(str, Enum):
     FULLY_CONNECTED = "fully_connected"
     ADD = "add"
     MEAN = "mean"
+    MAX_POOL2D = "max_pool2d"
+    AVG_POOL2D = "avg_pool2d"
 
 
 @dataclass(frozen=True)
@@ -110,7 +112,21 @@ class MeanParams:
     rounding: Rounding = Rounding.TFLITE_DOUBLE
 
 
-NpuParams = ConvParams | AddParams | MeanParams
+@dataclass(frozen=True)
+class PoolParams:
+    """An int8 max or average pooling; input and output share their qparams (TFLite's rule),
+    so the arithmetic needs none."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    ofm_shape: tuple[int, ...]
+    kernel: tuple[int, int]
+    strides: tuple[int, int]
+    padding: tuple[int, int, int, int]
+    clamp: tuple[int, int] = (-128, 127)
+
+
+NpuParams = ConvParams | AddParams | MeanParams | PoolParams
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
@@ -118,6 +134,8 @@ RECORD_OF_OP = {
     NpuOp.FULLY_CONNECTED: ConvParams,
     NpuOp.ADD: AddParams,
     NpuOp.MEAN: MeanParams,
+    NpuOp.MAX_POOL2D: PoolParams,
+    NpuOp.AVG_POOL2D: PoolParams,
 }
 
 

@@ -41,6 +41,8 @@ class NpuConfig:
         Largest stride the address generators accept.
     max_dilation : int
         Largest dilation the address generators accept.
+    max_pool_kernel : int
+        Largest pooling window side the pooling unit accepts.
     clock_mhz : int
         Clock used to turn cycles into time in reports.
     """
@@ -57,11 +59,12 @@ class NpuConfig:
     max_kernel: int
     max_stride: int
     max_dilation: int
+    max_pool_kernel: int
     clock_mhz: int
 
     def __post_init__(self):
         positive = ("mac_rows", "mac_cols", "sram_bytes", "output_lanes", "max_kernel",
-                    "max_stride", "max_dilation", "clock_mhz")
+                    "max_stride", "max_dilation", "max_pool_kernel", "clock_mhz")
         for field_name in positive:
             if getattr(self, field_name) <= 0:
                 raise ConfigError(f"{self.name}: {field_name} must be positive")
@@ -79,15 +82,15 @@ PRESETS: dict[str, NpuConfig] = {
         NpuConfig(name="npu-256", mac_rows=16, mac_cols=16, accumulator_bits=32,
                   sram_bytes=256 * 1024, dram_bytes_per_cycle=8.0, dram_latency_cycles=64,
                   output_lanes=8, command_overhead_cycles=32, max_kernel=8, max_stride=3,
-                  max_dilation=4, clock_mhz=500),
+                  max_dilation=4, max_pool_kernel=16, clock_mhz=500),
         NpuConfig(name="npu-1024", mac_rows=32, mac_cols=32, accumulator_bits=32,
                   sram_bytes=1024 * 1024, dram_bytes_per_cycle=16.0, dram_latency_cycles=64,
                   output_lanes=16, command_overhead_cycles=32, max_kernel=8, max_stride=3,
-                  max_dilation=4, clock_mhz=1000),
+                  max_dilation=4, max_pool_kernel=16, clock_mhz=1000),
         NpuConfig(name="npu-tiny", mac_rows=8, mac_cols=8, accumulator_bits=32,
                   sram_bytes=32 * 1024, dram_bytes_per_cycle=4.0, dram_latency_cycles=100,
                   output_lanes=4, command_overhead_cycles=32, max_kernel=8, max_stride=3,
-                  max_dilation=4, clock_mhz=400),
+                  max_dilation=4, max_pool_kernel=16, clock_mhz=400),
     )
 }
 

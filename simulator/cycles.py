@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from .config import NpuConfig
-from .isa import Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Reduction
+from .isa import Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,14 @@ def _mean_cost(opcode: Opcode, op: Reduction, config: NpuConfig) -> CommandCost:
                        + math.ceil(op.ofm.channels / config.output_lanes))
 
 
+def _pool_cost(opcode: Opcode, op: Pooling, config: NpuConfig) -> CommandCost:
+    """The pooling unit compares or adds one window tap of output_lanes channels per cycle."""
+    taps = op.kernel_h * op.kernel_w
+    pixels = op.ofm.height * op.ofm.width
+    return CommandCost(cycles=config.command_overhead_cycles
+                       + pixels * taps * math.ceil(op.ofm.channels / config.output_lanes))
+
+
 COST_MODELS = {
     Opcode.DMA_COPY: _dma_cost,
     Opcode.CONV2D: _conv2d_cost,
@@ -82,6 +90,8 @@ COST_MODELS = {
     Opcode.FULLY_CONNECTED: _fully_connected_cost,
     Opcode.ADD: _add_cost,
     Opcode.MEAN: _mean_cost,
+    Opcode.MAX_POOL2D: _pool_cost,
+    Opcode.AVG_POOL2D: _pool_cost,
 }
 
 

@@ -25,6 +25,8 @@ class Opcode(IntEnum):
     FULLY_CONNECTED = 3
     ADD = 4
     MEAN = 5
+    MAX_POOL2D = 6
+    AVG_POOL2D = 7
 
 
 class BufferKind(IntEnum):
@@ -142,6 +144,24 @@ class Reduction:
     rounding: Rounding = Rounding.TFLITE_DOUBLE
 
 
+@dataclass(frozen=True)
+class Pooling:
+    """Operands of MAX_POOL2D / AVG_POOL2D; padding (top, left, bottom, right) is never counted."""
+
+    ifm: FeatureMap
+    ofm: FeatureMap
+    kernel_h: int
+    kernel_w: int
+    stride_h: int
+    stride_w: int
+    pad_top: int
+    pad_left: int
+    pad_bottom: int
+    pad_right: int
+    act_min: int = -128
+    act_max: int = 127
+
+
 SCALE_BIAS_WORDS = 3
 """int32 words per output channel in the scale/bias table: bias, multiplier, shift."""
 
@@ -149,7 +169,7 @@ SCALE_BIAS_WORDS = 3
 @dataclass(frozen=True)
 class Command:
     opcode: Opcode
-    payload: DmaCopy | Convolution | Elementwise | Reduction
+    payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling
     layer: str = ""
 
 
@@ -191,5 +211,7 @@ PAYLOAD_OF_OPCODE: dict[Opcode, type] = {
     Opcode.FULLY_CONNECTED: Convolution,
     Opcode.ADD: Elementwise,
     Opcode.MEAN: Reduction,
+    Opcode.MAX_POOL2D: Pooling,
+    Opcode.AVG_POOL2D: Pooling,
 }
 """The one table saying which payload each opcode carries (encoder, decoder, validator)."""

@@ -20,7 +20,7 @@ import numpy as np
 from .config import NpuConfig
 from .errors import NpuError
 from .isa import (SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode,
-                  Reduction, weight_shape)
+                  Pooling, Reduction, weight_shape)
 from .numerics import Rounding, elementwise_add, requantize, requantize_float, wrap_signed
 
 
@@ -135,6 +135,37 @@ def run_mean(state: MachineState, opcode: Opcode, op: Reduction, config: NpuConf
                                      op.act_max, op.rounding))
 
 
+def _pool_windows(values: np.ndarray, op: Pooling):
+    """Yield the strided [OH, OW, C] slice of a padded tensor for every window tap."""
+    for ky in range(op.kernel_h):
+        for kx in range(op.kernel_w):
+            yield values[ky:ky + (op.ofm.height - 1) * op.stride_h + 1:op.stride_h,
+                         kx:kx + (op.ofm.width - 1) * op.stride_w + 1:op.stride_w, :]
+
+
+def _padded(values: np.ndarray, op: Pooling, fill) -> np.ndarray:
+    pads = ((op.pad_top, op.pad_bottom), (op.pad_left, op.pad_right), (0, 0))
+    return np.pad(values, pads, constant_values=fill)
+
+
+def run_max_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuConfig) -> None:
+    """TFLite reference int8 MaxPool: the largest input inside the image, then the clamp."""
+    padded = _padded(_fmap(state, op.ifm).astype(np.int16), op, np.iinfo(np.int16).min)
+    out = np.max(np.stack(list(_pool_windows(padded, op))), axis=0)
+    _write(state, op.ofm, np.clip(out, op.act_min, op.act_max))
+
+
+def run_avg_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuConfig) -> None:
+    """TFLite reference int8 AveragePool: sum / count of inputs inside the image, rounded half
+    away from zero in integers, then the clamp."""
+    ifm = _fmap(state, op.ifm)
+    total = sum(w for w in _pool_windows(_padded(ifm.astype(np.int64), op, 0), op))
+    count = sum(w for w in _pool_windows(_padded(np.ones((*ifm.shape[:2], 1), np.int64), op, 0), op))
+    half = count // 2
+    average = np.where(total > 0, (total + half) // count, -((half - total) // count))
+    _write(state, op.ofm, np.clip(average, op.act_min, op.act_max))
+
+
 KERNELS = {
     Opcode.DMA_COPY: run_dma,
     Opcode.CONV2D: run_convolution,
@@ -142,6 +173,8 @@ KERNELS = {
     Opcode.FULLY_CONNECTED: run_convolution,
     Opcode.ADD: run_add,
     Opcode.MEAN: run_mean,
+    Opcode.MAX_POOL2D: run_max_pool,
+    Opcode.AVG_POOL2D: run_avg_pool,
 }
 
 

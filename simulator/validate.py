@@ -12,7 +12,8 @@ import numpy as np
 from .config import NpuConfig
 from .errors import StreamError
 from .isa import (SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolution, DmaCopy,
-                  Elementwise, FeatureMap, MemorySpace, Opcode, Reduction, conv_output_size, weight_shape)
+                  Elementwise, FeatureMap, MemorySpace, Opcode, Pooling, Reduction, conv_output_size,
+                  weight_shape)
 
 DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
 
@@ -158,6 +159,25 @@ def _check_reduction(config: NpuConfig, op: Reduction, where: str) -> None:
     _check_multiplier(where, "mean", op.multiplier, op.shift)
 
 
+def _check_pooling(config: NpuConfig, op: Pooling, where: str) -> None:
+    _check_regions(config, where, {"ifm": op.ifm}, op.ofm)
+    kernel, stride = (op.kernel_h, op.kernel_w), (op.stride_h, op.stride_w)
+    padding = (op.pad_top, op.pad_left, op.pad_bottom, op.pad_right)
+    if not all(1 <= k <= config.max_pool_kernel for k in kernel):
+        raise StreamError(f"{where}: pool kernel {kernel} outside 1..{config.max_pool_kernel}")
+    if not all(1 <= s <= config.max_stride for s in stride):
+        raise StreamError(f"{where}: stride {stride} outside 1..{config.max_stride}")
+    if any(p < 0 for p in padding) or max(padding[0], padding[2]) >= kernel[0] or max(padding[1], padding[3]) >= kernel[1]:
+        raise StreamError(f"{where}: padding {padding} must be non-negative and smaller than the window")
+    expected = (conv_output_size(op.ifm.height, kernel[0], stride[0], 1, padding[0], padding[2]),
+                conv_output_size(op.ifm.width, kernel[1], stride[1], 1, padding[1], padding[3]))
+    if (op.ofm.height, op.ofm.width, op.ofm.channels) != (*expected, op.ifm.channels):
+        raise StreamError(f"{where}: ofm does not match the window arithmetic ({expected[0]}x{expected[1]})")
+    _check_int8(where, act_min=op.act_min, act_max=op.act_max)
+    if op.act_min > op.act_max:
+        raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
+
+
 def _check_command(stream: CommandStream, config: NpuConfig, index: int, command: Command) -> None:
     where = f"command {index} ({command.opcode.name})"
     payload = command.payload
@@ -167,6 +187,8 @@ def _check_command(stream: CommandStream, config: NpuConfig, index: int, command
         _check_elementwise(config, payload, where)
     elif isinstance(payload, Reduction):
         _check_reduction(config, payload, where)
+    elif isinstance(payload, Pooling):
+        _check_pooling(config, payload, where)
     else:
         _check_conv(config, command.opcode, payload, where)
 

@@ -143,3 +143,25 @@ def fully_connected_float(x, w, bias, s_in, w_scales, s_out, in_zp, out_zp, act)
             values.append(min(max(rounded + out_zp, act[0]), act[1]))
         out.append(values)
     return out
+
+
+def pool(x, kind, kernel, stride, padding, act=(-128, 127)):
+    """TFLite reference int8 MaxPool / AveragePool: only inputs inside the image count."""
+    h, w, c = len(x), len(x[0]), len(x[0][0])
+    oh = (h + padding[0] + padding[2] - kernel[0]) // stride[0] + 1
+    ow = (w + padding[1] + padding[3] - kernel[1]) // stride[1] + 1
+    out = [[[0] * c for _ in range(ow)] for _ in range(oh)]
+    for oy in range(oh):
+        for ox in range(ow):
+            for ch in range(c):
+                values = [x[iy][ix][ch]
+                          for iy in range(oy * stride[0] - padding[0], oy * stride[0] - padding[0] + kernel[0])
+                          for ix in range(ox * stride[1] - padding[1], ox * stride[1] - padding[1] + kernel[1])
+                          if 0 <= iy < h and 0 <= ix < w]
+                if kind == "max":
+                    value = max(values)
+                else:
+                    acc, n = sum(values), len(values)
+                    value = int((acc + n // 2) / n) if acc > 0 else -int((n // 2 - acc) / n)
+                out[oy][ox][ch] = min(max(value, act[0]), act[1])
+    return out

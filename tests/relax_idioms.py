@@ -145,3 +145,22 @@ def mean_module(shape=(1, 5, 5, 16), axis=(1, 2), keepdims=False, q_in=(0.02, -1
             gv = bb.emit_output(relax.op.quantize(m, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8"))
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def pool_module(kind, shape=(1, 9, 9, 8), pool_size=(2, 2), strides=(2, 2), padding=(0, 0, 0, 0),
+                dtype="int8", count_include_pad=False):
+    """int8 max_pool2d as is, or the astype(int32) -> avg_pool2d -> astype(int8) idiom."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, dtype))
+    options = dict(pool_size=pool_size, strides=strides, padding=padding, layout="NHWC")
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            if kind == "max":
+                out = relax.op.nn.max_pool2d(x, **options)
+            else:
+                wide = bb.emit(relax.op.astype(x, "int32"))
+                pooled = bb.emit(relax.op.nn.avg_pool2d(wide, count_include_pad=count_include_pad, **options))
+                out = relax.op.astype(pooled, dtype)
+            gv = bb.emit_output(out)
+        bb.emit_func_output(gv)
+    return bb.get()

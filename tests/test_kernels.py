@@ -104,3 +104,19 @@ def test_mean_matches_reference(config):
     want = ref.mean_hw(x[0].tolist(), p.input_scale, -9, p.output_scale, 4)
     np.testing.assert_array_equal(got.ravel(), np.array(want, dtype=np.int8))
     assert sum(c.opcode == Opcode.MEAN for c in stats.commands) == (1 if config is BASE else 2)
+
+
+@pytest.mark.parametrize("config", [BASE, TINY_SRAM], ids=["one_tile", "tiled"])
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_pooling_matches_reference(kind, config):
+    import reference_kernels as ref
+    from npu_backend.params import PoolParams
+
+    rng = np.random.default_rng(8)
+    p = PoolParams(op=NpuOp.MAX_POOL2D if kind == "max" else NpuOp.AVG_POOL2D, ifm_shape=(1, 11, 10, 24),
+                   ofm_shape=(1, 6, 5, 24), kernel=(3, 3), strides=(2, 2), padding=(1, 0, 1, 1), clamp=(-100, 110))
+    x = rng.integers(-128, 128, p.ifm_shape, dtype=np.int8)
+    got, stats = run_layer(p, config, x)
+    want = ref.pool(x[0].tolist(), kind, p.kernel, p.strides, p.padding, p.clamp)
+    np.testing.assert_array_equal(got, np.array(want, dtype=np.int8)[None])
+    assert (len(stats.commands) > 3) == (config is TINY_SRAM)

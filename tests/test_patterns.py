@@ -32,10 +32,12 @@ def partition(idiom: ConvIdiom):
 def test_registry_order_puts_fused_activation_first():
     entries = registered_patterns()
     names = [e.name for e in entries]
-    clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add"]
-    assert names == clipped + clipped + ["npu.mean"]
-    assert all("relax.clip" in str(e.pattern) for e in entries[:4])
-    assert not any("relax.clip" in str(e.pattern) for e in entries[4:])
+    clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add", "npu.max_pool2d",
+               "npu.avg_pool2d"]
+    n = len(clipped)
+    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:]
+    assert all("relax.clip" in str(e.pattern) for e in entries[:n])
+    assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
 
 
 def test_conv2d_per_channel_with_relu_clip():
@@ -203,3 +205,34 @@ def test_mean_over_channels_stays_on_host():
     assert composites(mod) == []
     mean = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.mean")
     assert "axes 1, 2" in mean.reason
+
+
+@pytest.mark.parametrize("kind", ["max", "avg"])
+def test_int8_pooling_idioms(kind):
+    from relax_idioms import pool_module
+
+    mod = npu_backend.partition_for_npu(pool_module(kind, pool_size=(3, 3), strides=(2, 2), padding=(0, 0, 1, 1)))
+    (name, p), = composites(mod)
+    assert name == f"npu.{kind}_pool2d"
+    assert (p.kernel, p.strides, p.padding) == ((3, 3), (2, 2), (0, 0, 1, 1))
+    assert p.ifm_shape == (1, 9, 9, 8) and p.ofm_shape == (1, 4, 4, 8) and p.clamp == (-128, 127)
+
+
+def test_float_pooling_and_counted_padding_stay_on_host():
+    from relax_idioms import pool_module
+
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(pool_module("max", dtype="float32")))
+    assert "not int8" in report.host_ops[0].reason
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(
+        pool_module("avg", padding=(1, 1, 1, 1), count_include_pad=True)))
+    pool = next(o for o in report.host_ops if o.op == "relax.nn.avg_pool2d")
+    assert "counts padding" in pool.reason
+
+
+def test_pool_window_limit():
+    from relax_idioms import pool_module
+
+    assert len(composites(npu_backend.partition_for_npu(pool_module("max", shape=(1, 20, 20, 4),
+                                                                    pool_size=(16, 16))))) == 1
+    mod = npu_backend.partition_for_npu(pool_module("max", shape=(1, 20, 20, 4), pool_size=(17, 17)))
+    assert "pool window 17x17 exceeds the NPU maximum of 16" in npu_backend.partition_report(mod).host_ops[0].reason

@@ -14,11 +14,11 @@ from tvm import relax
 
 from simulator.config import NpuConfig, get_config
 from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
-                           FeatureMap, MemorySpace, Opcode, Reduction)
+                           FeatureMap, MemorySpace, Opcode, Pooling, Reduction)
 from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, from_attrs
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams, from_attrs
 from .multipliers import add_multipliers, conv_multipliers, mean_multiplier
 from .plan import LayerGeometry, TilePlan, plan_add, plan_layer, plan_mean
 
@@ -140,12 +140,37 @@ def emit_mean(sb: StreamBuilder, p: MeanParams, layer: str, sources: list[int], 
         sb.feature_dma(layer, dst, 0, 1, channels, c0, ct, plan.ofm_address, to_sram=False)
 
 
+def emit_pool(sb: StreamBuilder, p: PoolParams, layer: str, sources: list[int], dst: int) -> None:
+    """Pooling in (channel tile x row stripe) tiles, halos included, like a depthwise layer."""
+    (src,) = sources
+    g = LayerGeometry.of(p)
+    plan = plan_layer(p, sb.config)
+    opcode = Opcode.MAX_POOL2D if p.op == NpuOp.MAX_POOL2D else Opcode.AVG_POOL2D
+    for c0 in range(0, g.out_channels, plan.channel_tile):
+        ct = min(plan.channel_tile, g.out_channels - c0)
+        for oy0 in range(0, g.out_height, plan.row_tile):
+            oy1 = min(g.out_height, oy0 + plan.row_tile)
+            iy0, iy1, pad_top, pad_bottom = g.input_rows(oy0, oy1)
+            sb.feature_dma(layer, src, iy0 * g.width, (iy1 - iy0) * g.width, g.in_channels, c0, ct,
+                           plan.ifm_address, to_sram=True)
+            op = Pooling(ifm=FeatureMap(plan.ifm_address, iy1 - iy0, g.width, ct),
+                         ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct),
+                         kernel_h=g.kernel[0], kernel_w=g.kernel[1], stride_h=g.strides[0],
+                         stride_w=g.strides[1], pad_top=pad_top, pad_left=g.padding[1],
+                         pad_bottom=pad_bottom, pad_right=g.padding[3], act_min=p.clamp[0], act_max=p.clamp[1])
+            sb.commands.append(Command(opcode, op, layer))
+            sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
+                           plan.ofm_address, to_sram=False)
+
+
 LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
     NpuOp.FULLY_CONNECTED: emit_conv,
     NpuOp.ADD: emit_add,
     NpuOp.MEAN: emit_mean,
+    NpuOp.MAX_POOL2D: emit_pool,
+    NpuOp.AVG_POOL2D: emit_pool,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

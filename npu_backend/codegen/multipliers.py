@@ -10,7 +10,7 @@ import numpy as np
 
 from simulator import numerics
 
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams
 
 
 def conv_multipliers(p: ConvParams):
@@ -38,7 +38,13 @@ def mean_multiplier(p: MeanParams):
     return numerics.mean_multiplier(p.input_scale, p.output_scale, height * width, p.rounding)
 
 
-DERIVE = {ConvParams: conv_multipliers, AddParams: add_multipliers, MeanParams: mean_multiplier}
+def no_multipliers(p: PoolParams):
+    """Pooling keeps the input's qparams: nothing to rescale."""
+    return ()
+
+
+DERIVE = {ConvParams: conv_multipliers, AddParams: add_multipliers, MeanParams: mean_multiplier,
+          PoolParams: no_multipliers}
 
 
 def derive_multipliers(p: NpuParams):

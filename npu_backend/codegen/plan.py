@@ -22,14 +22,15 @@ from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams
 
 SRAM_ALIGN = 16
 
 
 @dataclass(frozen=True)
 class LayerGeometry:
-    """A layer seen as an NHWC image operator (fully connected: N x 1 x IC, 1x1 kernel)."""
+    """A layer seen as an NHWC image operator (fully connected: N x 1 x IC, 1x1 kernel;
+    pooling: per-channel like depthwise, without weights)."""
 
     height: int
     width: int
@@ -42,9 +43,14 @@ class LayerGeometry:
     dilation: tuple[int, int]
     padding: tuple[int, int, int, int]
     depthwise: bool
+    has_weights: bool = True
 
     @classmethod
-    def of(cls, p: ConvParams) -> "LayerGeometry":
+    def of(cls, p: ConvParams | PoolParams) -> "LayerGeometry":
+        if isinstance(p, PoolParams):
+            _, h, w, c = p.ifm_shape
+            _, oh, ow, _ = p.ofm_shape
+            return cls(h, w, c, oh, ow, c, p.kernel, p.strides, (1, 1), p.padding, True, has_weights=False)
         if p.op == NpuOp.FULLY_CONNECTED:
             batch, in_channels = p.ifm_shape
             return cls(batch, 1, in_channels, batch, 1, p.out_channels, (1, 1), (1, 1), (1, 1),
@@ -62,8 +68,13 @@ class LayerGeometry:
         return start, stop, start - first, last + 1 - stop
 
     def weight_bytes(self, channels: int) -> int:
+        if not self.has_weights:
+            return 0
         per_channel = self.kernel[0] * self.kernel[1] * (1 if self.depthwise else self.in_channels)
         return channels * per_channel
+
+    def scale_bias_bytes(self, channels: int) -> int:
+        return channels * SCALE_BIAS_WORDS * 4 if self.has_weights else 0
 
 
 @dataclass(frozen=True)
@@ -86,7 +97,7 @@ def _align(value: int) -> int:
 def _layout(g: LayerGeometry, channels: int, rows: int) -> TilePlan:
     in_rows = (rows - 1) * g.strides[0] + g.dilation[0] * (g.kernel[0] - 1) + 1
     in_channels = channels if g.depthwise else g.in_channels
-    sizes = (g.weight_bytes(channels), channels * SCALE_BIAS_WORDS * 4,
+    sizes = (g.weight_bytes(channels), g.scale_bias_bytes(channels),
              min(in_rows, g.height) * g.width * in_channels, rows * g.out_width * channels)
     addresses, cursor = [], 0
     for size in sizes:
@@ -95,7 +106,7 @@ def _layout(g: LayerGeometry, channels: int, rows: int) -> TilePlan:
     return TilePlan(channels, rows, *addresses, sram_used=cursor)
 
 
-def plan_layer(p: ConvParams, config: NpuConfig) -> TilePlan:
+def plan_layer(p: ConvParams | PoolParams, config: NpuConfig) -> TilePlan:
     """Largest (channel tile, row tile) whose operands fit in SRAM; raises if none does."""
     g = LayerGeometry.of(p)
     expected_w = conv_output_size(g.width, g.kernel[1], g.strides[1], g.dilation[1], g.padding[1], g.padding[3])
@@ -156,7 +167,7 @@ def plan_mean(p: MeanParams, config: NpuConfig) -> MeanPlan:
     return MeanPlan(tile, 0, _align(tile * height * width))
 
 
-PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean}
+PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean, PoolParams: plan_layer}
 
 
 def plan(p: NpuParams, config: NpuConfig):

@@ -33,8 +33,14 @@ def dilation_fits(p: ConvParams, config: NpuConfig) -> str | None:
     return None
 
 
+def pool_kernel_fits(p: NpuParams, config: NpuConfig) -> str | None:
+    if max(p.kernel) > config.max_pool_kernel:
+        return f"pool window {p.kernel[0]}x{p.kernel[1]} exceeds the NPU maximum of {config.max_pool_kernel}"
+    return None
+
+
 def padding_within_window(p: ConvParams, config: NpuConfig) -> str | None:
-    spans = [d * (k - 1) + 1 for d, k in zip(p.dilation, p.kernel)]
+    spans = [d * (k - 1) + 1 for d, k in zip(getattr(p, "dilation", (1, 1)), p.kernel)]
     top, left, bottom, right = p.padding
     if top >= spans[0] or bottom >= spans[0] or left >= spans[1] or right >= spans[1]:
         return f"padding {tuple(p.padding)} is as large as the dilated kernel {tuple(spans)}"
@@ -63,6 +69,8 @@ CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window, mu
 
 
 ELEMENTWISE_RULES = (multipliers_representable, tiles_fit_sram)
+
+POOL_RULES = (pool_kernel_fits, stride_fits, padding_within_window, tiles_fit_sram)
 """Rules of add and mean."""
 
 

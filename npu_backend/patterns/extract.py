@@ -8,7 +8,8 @@ check turns that into "stays on the host, because ...".
 The idioms handled here are the float-emulated forms TVM 0.27's TFLite importer
 emits: ``quantize(add(op(dequantize(x), dequantize(w)), dequantize(bias)))``
 optionally followed by an int8 ``clip`` (the fused ReLU/ReLU6);
-``quantize(add(dequantize(a), dequantize(b)))``; ``quantize(mean(dequantize(x)))``.
+``quantize(add(dequantize(a), dequantize(b)))``; ``quantize(mean(dequantize(x)))``;
+``max_pool2d`` directly on int8; ``astype(avg_pool2d(astype(x, "int32")), "int8")``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -238,3 +239,36 @@ def extract_mean(annotations: Mapping[str, relax.Expr]) -> MeanParams:
         raise UnsupportedOpError(f"only the spatial mean (axes 1, 2) of a batch-1 NHWC tensor is supported")
     return MeanParams(op=NpuOp.MEAN, ifm_shape=ifm_shape, ofm_shape=_shape(mean), input_scale=in_scale,
                       input_zero_point=in_zp, output_scale=out_scale, output_zero_point=out_zp)
+
+
+def _pool(annotations, op: NpuOp) -> PoolParams:
+    pool = annotations["anchor"]
+    x = annotations["input"]
+    if _dtype(x) != "int8":
+        raise UnsupportedOpError(f"pooling input dtype {_dtype(x)} is not int8")
+    attrs = pool.attrs
+    if str(attrs.layout) != "NHWC" or (attrs.out_layout is not None and str(attrs.out_layout) != "NHWC"):
+        raise UnsupportedOpError(f"pooling layout {attrs.layout} is not NHWC")
+    if any(int(d) != 1 for d in attrs.dilation) or bool(attrs.ceil_mode):
+        raise UnsupportedOpError("dilated or ceil-mode pooling is not supported")
+    if op == NpuOp.AVG_POOL2D and bool(attrs.count_include_pad):
+        raise UnsupportedOpError("average pooling that counts padding is not TFLite's and not supported")
+    ifm_shape = _shape(x)
+    if len(ifm_shape) != 4 or ifm_shape[0] != 1:
+        raise UnsupportedOpError(f"input shape {list(ifm_shape)} is not a batch-1 NHWC image")
+    padding = tuple(int(v) for v in attrs.padding)
+    padding = padding * 2 if len(padding) == 2 else padding
+    return PoolParams(op=op, ifm_shape=ifm_shape, ofm_shape=_shape(pool),
+                      kernel=tuple(int(k) for k in attrs.pool_size), strides=tuple(int(v) for v in attrs.strides),
+                      padding=padding, clamp=_clamp(annotations))
+
+
+def extract_max_pool2d(annotations: Mapping[str, relax.Expr]) -> PoolParams:
+    return _pool(annotations, NpuOp.MAX_POOL2D)
+
+
+def extract_avg_pool2d(annotations: Mapping[str, relax.Expr]) -> PoolParams:
+    """The cast idiom: the int32 cast must come from int8 and the result go back to int8."""
+    if str(annotations["widen"].attrs.dtype) != "int32" or str(annotations["narrow"].attrs.dtype) != "int8":
+        raise UnsupportedOpError("average pooling must be computed on int32 casts of int8 data")
+    return _pool(annotations, NpuOp.AVG_POOL2D)

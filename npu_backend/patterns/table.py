@@ -20,9 +20,9 @@ from simulator.config import NpuConfig, get_config
 
 from ..errors import NpuError
 from ..params import NpuParams
-from .checks import CONV_RULES, ELEMENTWISE_RULES, first_violation
-from .extract import (extract_add, extract_conv2d, extract_depthwise_conv2d, extract_fully_connected,
-                      extract_mean)
+from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation
+from .extract import (extract_add, extract_avg_pool2d, extract_conv2d, extract_depthwise_conv2d,
+                      extract_fully_connected, extract_max_pool2d, extract_mean)
 
 PREFIX = "npu"
 
@@ -92,6 +92,30 @@ def mean_pattern(with_clip: bool):
     return quantize, dict(input=x, input_dq=input_dq, anchor=mean, quantize=quantize)
 
 
+def _with_clip(root: DFPattern, annotations: dict, with_clip: bool):
+    if not with_clip:
+        return root, annotations
+    clip = is_op("relax.clip")(root, wildcard(), wildcard())
+    annotations["clip"] = clip
+    return clip, annotations
+
+
+def max_pool_pattern(with_clip: bool):
+    """max_pool2d straight on int8 data (qparam-transparent)."""
+    x = wildcard()
+    pool = is_op("relax.nn.max_pool2d")(x)
+    return _with_clip(pool, dict(input=x, anchor=pool), with_clip)
+
+
+def avg_pool_pattern(with_clip: bool):
+    """The cast idiom astype(int32) -> avg_pool2d -> astype(int8)."""
+    x = wildcard()
+    widen = is_op("relax.astype")(x)
+    pool = is_op("relax.nn.avg_pool2d")(widen)
+    narrow = is_op("relax.astype")(pool)
+    return _with_clip(narrow, dict(input=x, widen=widen, anchor=pool, narrow=narrow), with_clip)
+
+
 @dataclass(frozen=True)
 class PatternEntry:
     """An NPU operator: its composite name, graph pattern, extraction and hardware rules."""
@@ -109,6 +133,8 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.fully_connected", matmul_pattern, extract_fully_connected),
     PatternEntry(f"{PREFIX}.add", add_pattern, extract_add, rules=ELEMENTWISE_RULES),
     PatternEntry(f"{PREFIX}.mean", mean_pattern, extract_mean, rules=ELEMENTWISE_RULES, clip_variant=False),
+    PatternEntry(f"{PREFIX}.max_pool2d", max_pool_pattern, extract_max_pool2d, rules=POOL_RULES),
+    PatternEntry(f"{PREFIX}.avg_pool2d", avg_pool_pattern, extract_avg_pool2d, rules=POOL_RULES),
 )
 ENTRY_BY_NAME = {entry.name: entry for entry in OPERATORS}
 

@@ -86,7 +86,18 @@ class Command(object):
             return obj
         return None
 
-def CommandStart(builder): builder.StartObject(6)
+    # Command
+    def Pooling(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .Pooling import Pooling
+            obj = Pooling()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def CommandStart(builder): builder.StartObject(7)
 def Start(builder):
     return CommandStart(builder)
 def CommandAddOpcode(builder, opcode): builder.PrependUint8Slot(0, opcode, 0)
@@ -107,6 +118,9 @@ def AddElementwise(builder, elementwise):
 def CommandAddReduction(builder, reduction): builder.PrependUOffsetTRelativeSlot(5, flatbuffers.number_types.UOffsetTFlags.py_type(reduction), 0)
 def AddReduction(builder, reduction):
     return CommandAddReduction(builder, reduction)
+def CommandAddPooling(builder, pooling): builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(pooling), 0)
+def AddPooling(builder, pooling):
+    return CommandAddPooling(builder, pooling)
 def CommandEnd(builder): return builder.EndObject()
 def End(builder):
     return CommandEnd(builder)

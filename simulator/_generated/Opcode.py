@@ -9,3 +9,5 @@ class Opcode(object):
     FULLY_CONNECTED = 3
     ADD = 4
     MEAN = 5
+    MAX_POOL2D = 6
+    AVG_POOL2D = 7
