@@ -53,7 +53,7 @@ class Spec:
     unit count (fully_connected); depthwise layers keep their input channels."""
 
     name: str
-    kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected"
+    kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d"
     input_shape: tuple[int, ...] = (12, 12, 8)
     kernel: int = 3
     stride: int = 1
@@ -86,8 +86,15 @@ SPECS = [
     Spec("fc_64x10_relu", "fully_connected", FC_INPUT, activation="relu", out_channels=10),
     Spec("fc_64x10_relu6", "fully_connected", FC_INPUT, activation="relu6", out_channels=10),
     Spec("fc_64x10_per_tensor", "fully_connected", FC_INPUT, out_channels=10, per_channel=False),
+    Spec("max_pool_3x3_s2_same", "max_pool2d", DW_INPUT, stride=2, per_channel=False),
+    Spec("max_pool_2x2_s2_valid", "max_pool2d", DW_INPUT, kernel=2, stride=2, padding="valid", per_channel=False),
+    Spec("avg_pool_3x3_s1_same", "avg_pool2d", DW_INPUT, per_channel=False),
+    Spec("avg_pool_2x2_s2_valid", "avg_pool2d", DW_INPUT, kernel=2, stride=2, padding="valid", per_channel=False),
+    Spec("avg_pool_3x3_s2_same_odd", "avg_pool2d", (11, 13, 8), stride=2, per_channel=False),
 ]
-EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED"}
+EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
+               "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D"}
+POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
 
 NETWORK_NAME = "mobilenet_v2_035_96"
 NETWORK_DESCRIPTION = ("Keras MobileNetV2 alpha 0.35, 96x96x3 input, 1000 classes, classifier_activation=None, "
@@ -107,6 +114,8 @@ def describe(spec: Spec) -> str:
     activation = spec.activation or "no activation"
     if spec.kind == "fully_connected":
         return f"Dense {spec.input_shape[0]}->{spec.out_channels}, {activation}, {weights} weights"
+    if spec.kind in POOLS:
+        return f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} {spec.padding.upper()} on {shape}"
     bias = "bias" if spec.use_bias else "no bias"
     return (f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} dilation {spec.dilation} "
             f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights")
@@ -123,7 +132,9 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
     shared = dict(activation=ACTIVATIONS[spec.activation], use_bias=spec.use_bias,
                   bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + 1))
     window = dict(kernel_size=spec.kernel, strides=spec.stride, padding=spec.padding, dilation_rate=spec.dilation)
-    if spec.kind == "conv2d":
+    if spec.kind in POOLS:
+        layer = POOLS[spec.kind](pool_size=spec.kernel, strides=spec.stride, padding=spec.padding)
+    elif spec.kind == "conv2d":
         layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
     elif spec.kind == "depthwise_conv2d":
         layer = tf.keras.layers.DepthwiseConv2D(depth_multiplier=1, depthwise_initializer=kernel_init, **window,
@@ -214,7 +225,8 @@ def check(name: str, ops: list[str], weight_scales: list[int], per_channel: bool
     """Fail loudly if the converter inserted extra ops or ignored the per-channel setting."""
     if expected_op is not None and ops != [expected_op]:
         raise SystemExit(f"{name}: expected a single {expected_op}, converter produced {ops}")
-    if not weight_scales or any((n > 1) != per_channel for n in weight_scales):
+    has_weights = expected_op is None or expected_op in MAC_OPS
+    if has_weights and (not weight_scales or any((n > 1) != per_channel for n in weight_scales)):
         raise SystemExit(f"{name}: weight scale counts {weight_scales} do not match per_channel={per_channel}")
 
 
