@@ -204,6 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     except NpuError as exc:
         print(f"npu: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # output piped into e.g. head: not an error of ours
+        sys.stderr.close()
+        return 0
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class NpuOp(str, Enum):
     MEAN = "mean"
     MAX_POOL2D = "max_pool2d"
     AVG_POOL2D = "avg_pool2d"
+    RESHAPE = "reshape"
 
 
 @dataclass(frozen=True)
@@ -126,7 +127,16 @@ class PoolParams:
     clamp: tuple[int, int] = (-128, 127)
 
 
-NpuParams = ConvParams | AddParams | MeanParams | PoolParams
+@dataclass(frozen=True)
+class ReshapeParams:
+    """An int8 reshape (or squeeze): bytes unchanged, qparams unchanged."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    ofm_shape: tuple[int, ...]
+
+
+NpuParams = ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
@@ -136,6 +146,7 @@ RECORD_OF_OP = {
     NpuOp.MEAN: MeanParams,
     NpuOp.MAX_POOL2D: PoolParams,
     NpuOp.AVG_POOL2D: PoolParams,
+    NpuOp.RESHAPE: ReshapeParams,
 }
 
 

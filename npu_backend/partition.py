@@ -28,15 +28,45 @@ def _match_annotations(entry, func: relax.Function) -> dict:
     raise RuntimeError(f"internal error: composite {entry.name} no longer matches its own pattern")
 
 
-def _annotate_composites(mod: tvm.IRModule) -> tvm.IRModule:
-    """Write each composite's extracted qparams onto it as ``npu.*`` attributes."""
+SOURCE_ATTR = "npu.source_vars"
+
+
+def _composite_sources(original: relax.Function, fused: tvm.IRModule) -> dict:
+    """Composite global var -> names of the original bindings it absorbed.
+
+    FuseOpsByPattern keeps the names of the bindings it moves into a composite,
+    except the composite's output, whose call it places where that output was.
+    So an absorbed binding is either named inside some composite, or it is the
+    output of the next composite call in program order.
+    """
+    calls, inner_names = [], {}
+    for block in fused["main"].body.blocks:
+        for binding in block.bindings:
+            callee = binding.value.op if isinstance(binding.value, relax.Call) else None
+            if isinstance(callee, relax.GlobalVar) and "Composite" in (fused[callee].attrs or {}):
+                calls.append(callee)
+                inner_names.update({name: callee for name, _ in operator_bindings(fused[callee])})
+    host = {name for name, _ in operator_bindings(fused["main"])}
+    sources: dict = {callee: [] for callee in calls}
+    pending = iter(calls)
+    for name, _ in operator_bindings(original):
+        if name in host:
+            continue
+        owner = inner_names.get(name) or next(pending)
+        sources[owner].append(name)
+    return sources
+
+
+def _annotate_composites(original: relax.Function, mod: tvm.IRModule) -> tvm.IRModule:
+    """Write each composite's extracted qparams, and the bindings it absorbed, onto it as attributes."""
+    sources = _composite_sources(original, mod)
     for gvar, func in list(mod.functions_items()):
         name = str(func.attrs["Composite"]) if func.attrs and "Composite" in func.attrs else ""
         if not name.startswith(PREFIX + "."):
             continue
         entry = ENTRY_BY_NAME[name]
         params = entry.extract(_match_annotations(entry, func))
-        mod[gvar] = func.with_attrs(to_attrs(params))
+        mod[gvar] = func.with_attrs({**to_attrs(params), SOURCE_ATTR: sources.get(gvar, [])})
     return mod
 
 
@@ -55,43 +85,35 @@ def _name_regions(mod: tvm.IRModule, preset: str) -> tvm.IRModule:
     return mod
 
 
-def _region_of_vars(mod: tvm.IRModule) -> dict[str, str]:
-    """Names bound inside the composites of each NPU region -> region symbol.
-
-    Composite bodies keep the names of the bindings they absorbed (all but
-    their output), which is enough to tell which region an accepted match went to.
-    """
-    region_of = {}
-    for func in mod.functions.values():
+def _placements(partitioned: tvm.IRModule) -> dict[str, tuple[str, str]]:
+    """Original binding name -> (region symbol, composite) for everything offloaded."""
+    placement = {}
+    for func in partitioned.functions.values():
         if not (func.attrs is not None and func.attrs.get("Codegen") == PREFIX):
             continue
         for block in func.body.blocks:
             for binding in block.bindings:
-                if isinstance(binding.value, relax.Function):
-                    for var, _ in operator_bindings(binding.value):
-                        region_of[var] = str(func.attrs["global_symbol"])
-    return region_of
+                inner = binding.value
+                if isinstance(inner, relax.Function) and SOURCE_ATTR in (inner.attrs or {}):
+                    for name in inner.attrs[SOURCE_ATTR]:
+                        placement[str(name)] = (str(func.attrs["global_symbol"]), str(inner.attrs["Composite"]))
+    return placement
 
 
-def _build_report(original: tvm.IRModule, partitioned: tvm.IRModule, context: PartitionContext) -> PartitionReport:
-    host_vars = {var for var, _ in operator_bindings(partitioned["main"])}
-    region_of = _region_of_vars(partitioned)
-    composite_of = {}
-    for composite, names in context.accepted:
-        region = next((region_of[n] for n in names if n in region_of), "")
-        composite_of.update({n: (composite, region) for n in names})
+def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: PartitionContext) -> PartitionReport:
+    placement = _placements(partitioned)
     reasons: dict[str, list[str]] = {}
     for rejection in context.rejections:
         text = f"{rejection.composite}: {rejection.reason}"
         if text not in reasons.setdefault(rejection.anchor, []):
             reasons[rejection.anchor].append(text)
     rows = []
-    for var, op in operator_bindings(original["main"]):
-        if var in host_vars or var not in composite_of:
-            rows.append(OpPlacement(var, op, "host", reason="; ".join(reasons.get(var, [NO_PATTERN]))))
-        else:
-            composite, region = composite_of[var]
+    for var, op in operator_bindings(original):
+        if var in placement:
+            region, composite = placement[var]
             rows.append(OpPlacement(var, op, "npu", composite=composite, region=region))
+        else:
+            rows.append(OpPlacement(var, op, "host", reason="; ".join(reasons.get(var, [NO_PATTERN]))))
     return PartitionReport(context.config.name, tuple(rows))
 
 
@@ -126,8 +148,8 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET) -> tvm.IR
                                                  annotate_codegen=False)(original)
     finally:
         ACTIVE_CONTEXT.reset(token)
-    fused = _annotate_composites(fused)
+    fused = _annotate_composites(original["main"], fused)
     merged = relax.transform.MergeCompositeFunctions()(fused)
     partitioned = _name_regions(merged, config.name)
-    report = _build_report(original, partitioned, context)
+    report = _build_report(original["main"], partitioned, context)
     return partitioned.with_attr(REPORT_ATTR, report.to_json())

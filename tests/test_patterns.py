@@ -35,7 +35,7 @@ def test_registry_order_puts_fused_activation_first():
     clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add", "npu.max_pool2d",
                "npu.avg_pool2d"]
     n = len(clipped)
-    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:]
+    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape"]
     assert all("relax.clip" in str(e.pattern) for e in entries[:n])
     assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
 
@@ -236,3 +236,35 @@ def test_pool_window_limit():
                                                                     pool_size=(16, 16))))) == 1
     mod = npu_backend.partition_for_npu(pool_module("max", shape=(1, 20, 20, 4), pool_size=(17, 17)))
     assert "pool window 17x17 exceeds the NPU maximum of 16" in npu_backend.partition_report(mod).host_ops[0].reason
+
+
+def test_int8_reshape_joins_its_neighbours_in_one_region():
+    """conv -> reshape (Flatten) -> fully connected: one region, and the report names it for every op."""
+    idiom = ConvIdiom(x_shape=(1, 4, 4, 3), out_channels=4)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 4, 3), "int8"))
+    fc = ConvIdiom(op="fc", x_shape=(1, 64), out_channels=5, clip=None, seed=1)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(idiom._body(bb, x, relax.const(idiom.weights)))
+            flat = bb.emit(relax.op.reshape(y, (1, 64)))
+            out = bb.emit_output(fc._body(bb, flat, relax.const(fc.weights)))
+        bb.emit_func_output(out)
+    partitioned = npu_backend.partition_for_npu(bb.get())
+    assert [name for name, _ in composites(partitioned)] == ["npu.conv2d", "npu.reshape", "npu.fully_connected"]
+    report = npu_backend.partition_report(partitioned)
+    regions = {o.region for o in report.ops}
+    assert not report.host_ops and len(regions) == 1 and regions.pop().startswith("npu_npu_256_")
+    reshape = next(o for o in report.ops if o.op == "relax.reshape")
+    assert reshape.composite == "npu.reshape"
+
+
+def test_float_reshape_is_not_an_npu_reshape():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((2, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            out = bb.emit_output(relax.op.reshape(x, (16,)))
+        bb.emit_func_output(out)
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(bb.get()))
+    assert report.host_ops[0].reason == "npu.reshape: reshape of float32 data is not an int8 tensor move"

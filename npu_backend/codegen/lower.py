@@ -18,9 +18,9 @@ from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convoluti
 from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams, from_attrs
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams, ReshapeParams, from_attrs
 from .multipliers import add_multipliers, conv_multipliers, mean_multiplier
-from .plan import LayerGeometry, TilePlan, plan_add, plan_layer, plan_mean
+from .plan import LayerGeometry, TilePlan, plan_add, plan_copy, plan_layer, plan_mean
 
 CONFIG_ATTR = "npu.preset"
 
@@ -163,6 +163,17 @@ def emit_pool(sb: StreamBuilder, p: PoolParams, layer: str, sources: list[int], 
                            plan.ofm_address, to_sram=False)
 
 
+def emit_reshape(sb: StreamBuilder, p: ReshapeParams, layer: str, sources: list[int], dst: int) -> None:
+    """A reshape moves the bytes unchanged; they pass through SRAM in chunks."""
+    (src,) = sources
+    chunk = plan_copy(p, sb.config)
+    total = int(np.prod(p.ifm_shape))
+    for start in range(0, total, chunk):
+        count = min(chunk, total - start)
+        sb.dma(layer, src, start, 0, count)
+        sb.dma(layer, dst, start, 0, count, to_sram=False)
+
+
 LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
@@ -171,6 +182,7 @@ LOWERINGS = {
     NpuOp.MEAN: emit_mean,
     NpuOp.MAX_POOL2D: emit_pool,
     NpuOp.AVG_POOL2D: emit_pool,
+    NpuOp.RESHAPE: emit_reshape,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

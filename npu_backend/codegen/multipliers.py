@@ -10,7 +10,7 @@ import numpy as np
 
 from simulator import numerics
 
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams, ReshapeParams
 
 
 def conv_multipliers(p: ConvParams):
@@ -38,13 +38,13 @@ def mean_multiplier(p: MeanParams):
     return numerics.mean_multiplier(p.input_scale, p.output_scale, height * width, p.rounding)
 
 
-def no_multipliers(p: PoolParams):
-    """Pooling keeps the input's qparams: nothing to rescale."""
+def no_multipliers(p: PoolParams | ReshapeParams):
+    """Pooling and reshape keep the input's qparams: nothing to rescale."""
     return ()
 
 
 DERIVE = {ConvParams: conv_multipliers, AddParams: add_multipliers, MeanParams: mean_multiplier,
-          PoolParams: no_multipliers}
+          PoolParams: no_multipliers, ReshapeParams: no_multipliers}
 
 
 def derive_multipliers(p: NpuParams):

@@ -22,7 +22,7 @@ from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams, ReshapeParams
 
 SRAM_ALIGN = 16
 
@@ -167,7 +167,13 @@ def plan_mean(p: MeanParams, config: NpuConfig) -> MeanPlan:
     return MeanPlan(tile, 0, _align(tile * height * width))
 
 
-PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean, PoolParams: plan_layer}
+def plan_copy(p: ReshapeParams, config: NpuConfig) -> int:
+    """Bytes per DMA chunk of a reshape, which moves the tensor unchanged through SRAM."""
+    return min(math.prod(p.ifm_shape), config.sram_bytes)
+
+
+PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean, PoolParams: plan_layer,
+            ReshapeParams: plan_copy}
 
 
 def plan(p: NpuParams, config: NpuConfig):

@@ -23,7 +23,7 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams
+from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams, ReshapeParams
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -272,3 +272,10 @@ def extract_avg_pool2d(annotations: Mapping[str, relax.Expr]) -> PoolParams:
     if str(annotations["widen"].attrs.dtype) != "int32" or str(annotations["narrow"].attrs.dtype) != "int8":
         raise UnsupportedOpError("average pooling must be computed on int32 casts of int8 data")
     return _pool(annotations, NpuOp.AVG_POOL2D)
+
+
+def extract_reshape(annotations: Mapping[str, relax.Expr]) -> ReshapeParams:
+    x, reshape = annotations["input"], annotations["anchor"]
+    if _dtype(x) != "int8":
+        raise UnsupportedOpError(f"reshape of {_dtype(x)} data is not an int8 tensor move")
+    return ReshapeParams(op=NpuOp.RESHAPE, ifm_shape=_shape(x), ofm_shape=_shape(reshape))

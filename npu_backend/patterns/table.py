@@ -22,7 +22,7 @@ from ..errors import NpuError
 from ..params import NpuParams
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation
 from .extract import (extract_add, extract_avg_pool2d, extract_conv2d, extract_depthwise_conv2d,
-                      extract_fully_connected, extract_max_pool2d, extract_mean)
+                      extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape)
 
 PREFIX = "npu"
 
@@ -116,6 +116,13 @@ def avg_pool_pattern(with_clip: bool):
     return _with_clip(narrow, dict(input=x, widen=widen, anchor=pool, narrow=narrow), with_clip)
 
 
+def reshape_pattern(with_clip: bool):
+    """reshape or squeeze of int8 data (qparam-transparent, e.g. Flatten before a dense layer)."""
+    x = wildcard()
+    reshape = is_op("relax.reshape")(x, wildcard()) | is_op("relax.squeeze")(x)
+    return reshape, dict(input=x, anchor=reshape)
+
+
 @dataclass(frozen=True)
 class PatternEntry:
     """An NPU operator: its composite name, graph pattern, extraction and hardware rules."""
@@ -135,6 +142,7 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.mean", mean_pattern, extract_mean, rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.max_pool2d", max_pool_pattern, extract_max_pool2d, rules=POOL_RULES),
     PatternEntry(f"{PREFIX}.avg_pool2d", avg_pool_pattern, extract_avg_pool2d, rules=POOL_RULES),
+    PatternEntry(f"{PREFIX}.reshape", reshape_pattern, extract_reshape, rules=(), clip_variant=False),
 )
 ENTRY_BY_NAME = {entry.name: entry for entry in OPERATORS}
 
@@ -152,8 +160,6 @@ class Rejection:
 class PartitionContext:
     config: NpuConfig
     rejections: list[Rejection] = field(default_factory=list)
-    accepted: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
-    """(composite, names of the original bindings it covers) of every accepted match."""
 
 
 ACTIVE_CONTEXT: contextvars.ContextVar[PartitionContext | None] = contextvars.ContextVar(
@@ -176,8 +182,6 @@ def _make_check(entry: PatternEntry):
                 reason = str(exc)
         if reason is not None:
             active.rejections.append(Rejection(entry.name, anchor, reason))
-        else:
-            active.accepted.append((entry.name, tuple(v.name for v in context.matched_bindings.keys())))
         return reason is None
 
     return check
