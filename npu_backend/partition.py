@@ -8,6 +8,7 @@ from tvm import relax
 
 from simulator.config import DEFAULT_PRESET, get_config
 
+from .canonicalize import canonicalize
 from .codegen.lower import CONFIG_ATTR
 from .params import to_attrs
 from .patterns import ENTRY_BY_NAME, PREFIX, PartitionContext, registered_patterns
@@ -132,7 +133,8 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET) -> tvm.IR
     tvm.IRModule
         The partitioned module. Every NPU composite carries its qparams as
         ``npu.*`` attributes; the module attribute ``npu.partition_report``
-        says where each original operator runs and why (read it with
+        says where each operator of the canonicalized graph (see
+        :mod:`npu_backend.canonicalize`; TFLite graphs are already canonical) runs and why (read it with
         :func:`npu_backend.partition_report`). Build it with
         ``relax.transform.RunCodegen()`` then ``tvm.compile``, or use
         :func:`npu_backend.build` which does both.
@@ -140,7 +142,7 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET) -> tvm.IR
     config = get_config(preset)
     if not isinstance(mod, tvm.IRModule) or "main" not in mod:
         raise NpuError("partition_for_npu needs an IRModule with a 'main' function")
-    original = relax.transform.ConvertToDataflow()(mod)
+    original = relax.transform.ConvertToDataflow()(canonicalize(mod))
     context = PartitionContext(config)
     token = ACTIVE_CONTEXT.set(context)
     try:

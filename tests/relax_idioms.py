@@ -164,3 +164,36 @@ def pool_module(kind, shape=(1, 9, 9, 8), pool_size=(2, 2), strides=(2, 2), padd
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def integer_conv_module(idiom: ConvIdiom, centred: bool = True, requantize_with_clip: bool = False):
+    """The same convolution as ``idiom`` in the integer domain (the old qnn.conv2d -> requantize).
+
+    The input's scale appears only on the quantize that produces it, never on the
+    convolution: recovering it takes the dataflow analysis.
+    """
+    bb = relax.BlockBuilder()
+    real = relax.Var("real", relax.TensorType(idiom.x_shape, "float32"))
+    with bb.function("main", [real]):
+        with bb.dataflow():
+            x = bb.emit(relax.op.quantize(real, f32(idiom.input_scale), i32(idiom.input_zero_point), axis=0,
+                                          out_dtype="int8"))
+            wide = bb.emit(relax.op.astype(x, "int32"))
+            if centred:
+                wide = bb.emit(relax.op.subtract(wide, i32(idiom.input_zero_point)))
+            w = bb.emit(relax.op.astype(relax.const(idiom.weights), "int32"))
+            acc = bb.emit(relax.op.nn.conv2d(wide, w, strides=idiom.strides, padding=idiom.padding,
+                                             dilation=idiom.dilation, data_layout="NHWC", kernel_layout="HWIO",
+                                             out_dtype="int32"))
+            if idiom.bias:
+                acc = bb.emit(relax.op.add(acc, i32(idiom.bias_values)))
+            acc_scale = np.float32(idiom.input_scale) * idiom.weight_scales
+            real_acc = bb.emit(relax.op.dequantize(acc, f32(acc_scale if idiom.per_channel else acc_scale[0]),
+                                                   i32(0), axis=3))
+            out = relax.op.quantize(real_acc, f32(idiom.output_scale), i32(idiom.output_zero_point), axis=0,
+                                    out_dtype="int8")
+            if idiom.clip is not None:
+                out = relax.op.clip(bb.emit(out), float(idiom.clip[0]), float(idiom.clip[1]))
+            gv = bb.emit_output(out)
+        bb.emit_func_output(gv)
+    return bb.get()

@@ -1,0 +1,71 @@
+"""Dataflow analysis: the (scale, zero point) of int8 tensors that carry no quantize/dequantize.
+
+Idioms such as the integer-domain convolution (``astype(x, "int32") - zp``)
+never state the scale of their input; it lives on whatever produced ``x`` (a
+``quantize``), or consumes it elsewhere (a ``dequantize``), possibly across
+operators that move int8 data without changing its meaning. This pass
+propagates those facts forwards and backwards to a fixed point.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import tvm
+from tvm import relax
+from tvm.ir.expr import Constant
+
+TRANSPARENT_OPS = frozenset({
+    "relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.permute_dims", "relax.clip",
+    "relax.nn.max_pool2d", "relax.strided_slice",
+})
+"""Operators whose int8 output has their int8 input's qparams (TFLite requires equal qparams)."""
+
+
+@dataclass(frozen=True)
+class TensorQParams:
+    scale: float
+    zero_point: int
+
+
+def _per_tensor(call) -> TensorQParams | None:
+    scale, zero_point = call.args[1], call.args[2]
+    if not (isinstance(scale, Constant) and isinstance(zero_point, Constant)):
+        return None
+    s, z = scale.value.numpy(), zero_point.value.numpy()
+    if s.size != 1 or z.size != 1:
+        return None
+    return TensorQParams(float(np.float32(s.reshape(-1)[0])), int(z.reshape(-1)[0]))
+
+
+def _is_int8(expr) -> bool:
+    ty = getattr(expr, "ty", None)
+    return isinstance(ty, relax.TensorType) and str(ty.dtype) == "int8"
+
+
+def infer_qparams(func: relax.Function) -> dict[relax.Var, TensorQParams]:
+    """Map every int8 variable whose qparams the graph determines to those qparams."""
+    bindings = [(b.var, b.value) for block in func.body.blocks for b in block.bindings
+                if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op)]
+    known: dict[relax.Var, TensorQParams] = {}
+
+    def learn(var, qp) -> bool:
+        if qp is None or not isinstance(var, relax.Var) or var in known or not _is_int8(var):
+            return False
+        known[var] = qp
+        return True
+
+    changed = True
+    while changed:
+        changed = False
+        for var, call in bindings:
+            op = call.op.name
+            if op == "relax.quantize":
+                changed |= learn(var, _per_tensor(call))
+            elif op == "relax.dequantize":
+                changed |= learn(call.args[0], _per_tensor(call))
+            elif op in TRANSPARENT_OPS and call.args and _is_int8(call.args[0]):
+                changed |= learn(var, known.get(call.args[0]))
+                changed |= learn(call.args[0], known.get(var))
+    return known

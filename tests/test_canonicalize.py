@@ -1,0 +1,85 @@
+"""Canonicalization: other idioms of the same operator become the form the pattern table matches."""
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import npu_backend
+from npu_backend.canonicalize import canonicalize
+from npu_backend.qparams import TensorQParams, infer_qparams
+from relax_idioms import ConvIdiom, integer_conv_module
+from test_patterns import composites
+
+
+def test_qparams_flow_forward_backward_and_through_transparent_ops():
+    """Forward from quantize, backward from dequantize, both ways through int8 reshape and clip."""
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((1, 8), "float32"))
+    b = relax.Var("b", relax.TensorType((2, 4), "int8"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            qa = bb.emit(relax.op.quantize(a, relax.const(np.float32(0.5)), relax.const(np.int32(3)), axis=0,
+                                           out_dtype="int8"))
+            clipped = bb.emit(relax.op.clip(qa, 0.0, 127.0))
+            flat_b = bb.emit(relax.op.reshape(b, (1, 8)))
+            dq = bb.emit(relax.op.dequantize(flat_b, relax.const(np.float32(0.25)), relax.const(np.int32(-1)),
+                                             axis=0))
+            gv = bb.emit_output(relax.op.add(relax.op.dequantize(clipped, relax.const(np.float32(0.5)),
+                                                                 relax.const(np.int32(3)), axis=0), dq))
+        bb.emit_func_output(gv)
+    known = {v.name: qp for v, qp in infer_qparams(bb.get()["main"]).items()}
+    assert known == {"lv": TensorQParams(0.5, 3), "lv1": TensorQParams(0.5, 3),
+                     "b": TensorQParams(0.25, -1), "lv2": TensorQParams(0.25, -1)}
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+@pytest.mark.parametrize("centred", [True, False])
+def test_integer_domain_conv_becomes_the_canonical_composite(per_channel, centred):
+    idiom = ConvIdiom(per_channel=per_channel, input_zero_point=-3 if centred else 0, clip=(-128, 100))
+    integer = npu_backend.partition_for_npu(integer_conv_module(idiom, centred=centred))
+    (name, p), = composites(integer)
+    assert name == "npu.conv2d" and p.per_channel == per_channel
+    assert p.input_scale == np.float32(idiom.input_scale)        # from the producer, via dataflow
+    assert p.input_zero_point == idiom.input_zero_point
+    recovered = (np.float32(idiom.input_scale) * idiom.weight_scales).astype(np.float64) / np.float32(idiom.input_scale)
+    np.testing.assert_array_equal(p.weight_scales, np.broadcast_to(recovered.astype(np.float32), (6,)))
+    np.testing.assert_allclose(p.weight_scales, np.broadcast_to(idiom.weight_scales, (6,)), rtol=2**-23)
+    np.testing.assert_array_equal(p.weights, np.transpose(idiom.weights, (3, 0, 1, 2)))
+    np.testing.assert_array_equal(p.bias, idiom.bias_values)
+    assert (p.output_scale, p.output_zero_point, p.clamp) == (np.float32(0.05), 5, (-128, 100))
+    report = npu_backend.partition_report(integer)
+    assert [o.op for o in report.host_ops] == ["relax.quantize"]  # only the float -> int8 model input
+
+
+def test_integer_domain_conv_without_known_input_scale_stays_on_host():
+    """No quantize or dequantize tells the input's scale: nothing to recover s_w from."""
+    idiom = ConvIdiom()
+    mod = integer_conv_module(idiom)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(idiom.x_shape, "int8"))
+    main = mod["main"]
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            # the same integer graph, fed straight from an int8 parameter with no qparams anywhere
+            binds = {main.params[0]: None}
+            out = None
+            for block in main.body.blocks:
+                for b in block.bindings:
+                    if b.value.op.name == "relax.quantize" and b.value.args[0].same_as(main.params[0]):
+                        binds[b.var] = x
+                        continue
+                    value = relax.Call(b.value.op, [binds.get(a, a) for a in b.value.args], b.value.attrs)
+                    binds[b.var] = out = bb.emit(value)
+            gv = bb.emit_output(out)
+        bb.emit_func_output(gv)
+    before = bb.get()
+    tvm.ir.assert_structural_equal(canonicalize(before), before)
+    assert composites(npu_backend.partition_for_npu(before)) == []
+
+
+def test_canonicalize_leaves_the_input_module_untouched():
+    mod = integer_conv_module(ConvIdiom())
+    text = mod.script()
+    canonicalize(mod)
+    assert mod.script() == text
