@@ -52,6 +52,8 @@ class NpuOp(str, Enum):
     MAX_POOL2D = "max_pool2d"
     AVG_POOL2D = "avg_pool2d"
     RESHAPE = "reshape"
+    SIGMOID = "sigmoid"
+    TANH = "tanh"
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,19 @@ class ReshapeParams:
     ofm_shape: tuple[int, ...]
 
 
-NpuParams = ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams
+@dataclass(frozen=True)
+class LutParams:
+    """An elementwise int8 activation run as a 256-entry table (sigmoid, tanh)."""
+
+    op: NpuOp
+    shape: tuple[int, ...]
+    input_scale: float
+    input_zero_point: int
+    output_scale: float
+    output_zero_point: int
+
+
+NpuParams = ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams | LutParams
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
@@ -147,6 +161,8 @@ RECORD_OF_OP = {
     NpuOp.MAX_POOL2D: PoolParams,
     NpuOp.AVG_POOL2D: PoolParams,
     NpuOp.RESHAPE: ReshapeParams,
+    NpuOp.SIGMOID: LutParams,
+    NpuOp.TANH: LutParams,
 }
 
 

@@ -53,7 +53,7 @@ class Spec:
     unit count (fully_connected); depthwise layers keep their input channels."""
 
     name: str
-    kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d"
+    kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" | "tanh"
     input_shape: tuple[int, ...] = (12, 12, 8)
     kernel: int = 3
     stride: int = 1
@@ -63,6 +63,7 @@ class Spec:
     use_bias: bool = True
     out_channels: int = 16
     per_channel: bool = True
+    calibration_range: float = 1.0  # inputs calibrated on uniform [-r, r]
 
 
 DW_INPUT = (12, 12, 16)
@@ -91,9 +92,12 @@ SPECS = [
     Spec("avg_pool_3x3_s1_same", "avg_pool2d", DW_INPUT, per_channel=False),
     Spec("avg_pool_2x2_s2_valid", "avg_pool2d", DW_INPUT, kernel=2, stride=2, padding="valid", per_channel=False),
     Spec("avg_pool_3x3_s2_same_odd", "avg_pool2d", (11, 13, 8), stride=2, per_channel=False),
+    Spec("logistic", "logistic", (8, 8, 16), per_channel=False, calibration_range=8.0),
+    Spec("tanh", "tanh", (8, 8, 16), per_channel=False, calibration_range=4.0),
 ]
 EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
-               "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D"}
+               "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH"}
+ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh}
 POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
 
 NETWORK_NAME = "mobilenet_v2_035_96"
@@ -116,6 +120,8 @@ def describe(spec: Spec) -> str:
         return f"Dense {spec.input_shape[0]}->{spec.out_channels}, {activation}, {weights} weights"
     if spec.kind in POOLS:
         return f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} {spec.padding.upper()} on {shape}"
+    if spec.kind in ELEMENTWISE:
+        return f"{spec.kind} on {shape}"
     bias = "bias" if spec.use_bias else "no bias"
     return (f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} dilation {spec.dilation} "
             f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights")
@@ -134,6 +140,8 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
     window = dict(kernel_size=spec.kernel, strides=spec.stride, padding=spec.padding, dilation_rate=spec.dilation)
     if spec.kind in POOLS:
         layer = POOLS[spec.kind](pool_size=spec.kernel, strides=spec.stride, padding=spec.padding)
+    elif spec.kind in ELEMENTWISE:
+        layer = tf.keras.layers.Activation(ELEMENTWISE[spec.kind])
     elif spec.kind == "conv2d":
         layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
     elif spec.kind == "depthwise_conv2d":
@@ -168,8 +176,9 @@ def mobilenet_v2(seed: int) -> tf.keras.Model:
     return model
 
 
-def convert(model: tf.keras.Model, seed: int, per_channel: bool) -> bytes:
-    """Full-integer int8 conversion, calibrated on uniform [-1, 1] inputs (MobileNetV2's input range).
+def convert(model: tf.keras.Model, seed: int, per_channel: bool, calibration_range: float = 1.0) -> bytes:
+    """Full-integer int8 conversion, calibrated on uniform [-r, r] inputs (r = 1: MobileNetV2's range;
+    activations use a wider r so their int8 inputs reach the saturating tails).
 
     `_experimental_disable_per_channel` is private but is the only converter
     switch that gives per-tensor conv/depthwise weights, so check() verifies it took effect.
@@ -179,7 +188,7 @@ def convert(model: tf.keras.Model, seed: int, per_channel: bool) -> bytes:
     def representative() -> Iterator[list[np.ndarray]]:
         rng = np.random.default_rng((seed, 0))
         for _ in range(CALIBRATION_SAMPLES):
-            yield [rng.uniform(-1, 1, shape).astype(np.float32)]
+            yield [rng.uniform(-calibration_range, calibration_range, shape).astype(np.float32)]
 
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -231,11 +240,11 @@ def check(name: str, ops: list[str], weight_scales: list[int], per_channel: bool
 
 
 def write(name: str, kind: str, description: str, model: tf.keras.Model, per_channel: bool,
-          expected_op: str | None = None) -> dict:
+          expected_op: str | None = None, calibration_range: float = 1.0) -> dict:
     """Convert, store model and goldens, print a summary line and return the manifest entry."""
     seed = seed_of(name)
     path = OUT / f"{name}.tflite"
-    path.write_bytes(convert(model, seed, per_channel))
+    path.write_bytes(convert(model, seed, per_channel, calibration_range))
     ops, weight_scales = inspect(path)
     check(name, ops, weight_scales, per_channel, expected_op)
     golden = reference(path, seed)
@@ -274,7 +283,7 @@ def main() -> None:
         tf.keras.backend.clear_session()
         tf.keras.utils.set_random_seed(seed_of(spec.name))
         manifest.append(write(spec.name, spec.kind, describe(spec), single_layer_model(spec), spec.per_channel,
-                              EXPECTED_OP[spec.kind]))
+                              EXPECTED_OP[spec.kind], spec.calibration_range))
     tf.keras.backend.clear_session()
     tf.keras.utils.set_random_seed(seed_of(NETWORK_NAME))
     manifest.append(write(NETWORK_NAME, "network", NETWORK_DESCRIPTION, mobilenet_v2(seed_of(NETWORK_NAME)), True))

@@ -14,7 +14,8 @@ import math
 from dataclasses import dataclass
 
 from .config import NpuConfig
-from .isa import Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction
+from .isa import (Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction,
+                  TableLookup)
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,11 @@ def _pool_cost(opcode: Opcode, op: Pooling, config: NpuConfig) -> CommandCost:
                        + pixels * taps * math.ceil(op.ofm.channels / config.output_lanes))
 
 
+def _lut_cost(opcode: Opcode, op: TableLookup, config: NpuConfig) -> CommandCost:
+    """The output stage's table answers output_lanes look-ups per cycle."""
+    return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
+
+
 COST_MODELS = {
     Opcode.DMA_COPY: _dma_cost,
     Opcode.CONV2D: _conv2d_cost,
@@ -92,6 +98,7 @@ COST_MODELS = {
     Opcode.MEAN: _mean_cost,
     Opcode.MAX_POOL2D: _pool_cost,
     Opcode.AVG_POOL2D: _pool_cost,
+    Opcode.LUT: _lut_cost,
 }
 
 

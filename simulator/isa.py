@@ -27,6 +27,7 @@ class Opcode(IntEnum):
     MEAN = 5
     MAX_POOL2D = 6
     AVG_POOL2D = 7
+    LUT = 8
 
 
 class BufferKind(IntEnum):
@@ -162,6 +163,17 @@ class Pooling:
     act_max: int = 127
 
 
+@dataclass(frozen=True)
+class TableLookup:
+    """Operands of LUT: a 256-entry int8 table indexed by the int8 input."""
+
+    ifm: FeatureMap
+    ofm: FeatureMap
+    table_address: int
+
+
+LUT_ENTRIES = 256
+
 SCALE_BIAS_WORDS = 3
 """int32 words per output channel in the scale/bias table: bias, multiplier, shift."""
 
@@ -169,7 +181,7 @@ SCALE_BIAS_WORDS = 3
 @dataclass(frozen=True)
 class Command:
     opcode: Opcode
-    payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling
+    payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling | TableLookup
     layer: str = ""
 
 
@@ -213,5 +225,6 @@ PAYLOAD_OF_OPCODE: dict[Opcode, type] = {
     Opcode.MEAN: Reduction,
     Opcode.MAX_POOL2D: Pooling,
     Opcode.AVG_POOL2D: Pooling,
+    Opcode.LUT: TableLookup,
 }
 """The one table saying which payload each opcode carries (encoder, decoder, validator)."""

@@ -20,7 +20,7 @@ import numpy as np
 from .config import NpuConfig
 from .errors import NpuError
 from .isa import (SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode,
-                  Pooling, Reduction, weight_shape)
+                  LUT_ENTRIES, Pooling, Reduction, TableLookup, weight_shape)
 from .numerics import Rounding, elementwise_add, requantize, requantize_float, wrap_signed
 
 
@@ -166,6 +166,11 @@ def run_avg_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuCo
     _write(state, op.ofm, np.clip(average, op.act_min, op.act_max))
 
 
+def run_lut(state: MachineState, opcode: Opcode, op: TableLookup, config: NpuConfig) -> None:
+    table = _read(state, op.table_address, (LUT_ENTRIES,), np.int8)
+    _write(state, op.ofm, table[_fmap(state, op.ifm).astype(np.int16) + 128])
+
+
 KERNELS = {
     Opcode.DMA_COPY: run_dma,
     Opcode.CONV2D: run_convolution,
@@ -175,6 +180,7 @@ KERNELS = {
     Opcode.MEAN: run_mean,
     Opcode.MAX_POOL2D: run_max_pool,
     Opcode.AVG_POOL2D: run_avg_pool,
+    Opcode.LUT: run_lut,
 }
 
 

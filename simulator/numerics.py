@@ -224,3 +224,56 @@ def requantize_float(acc, scales, output_zero_point, act_min, act_max, out_dtype
     rounded = truncated + np.where(np.abs(product - truncated) >= 0.5, np.sign(product), 0.0)
     scaled = wrap_signed(rounded.astype(np.int64), 32)
     return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(out_dtype)
+
+
+LUT_INPUT_INTEGER_BITS = 4
+"""TFLite's int8 LOGISTIC and TANH rescale inputs to Q4 (activations.cc, kInputIntegerBits)."""
+
+
+def _lut_input_rescale(input_scale: float):
+    """(multiplier, left shift, radius) as TFLite's sigmoid/tanh Prepare computes them."""
+    real = float(np.float32(input_scale)) * float(1 << (31 - LUT_INPUT_INTEGER_BITS))
+    if real <= 1.0:
+        raise NumericsError(f"LOGISTIC/TANH input scale {input_scale} is too small for the Q4 rescale")
+    multiplier, shift = quantize_multiplier(real)
+    max_rescaled = ((1 << LUT_INPUT_INTEGER_BITS) - 1) * (1 << (31 - LUT_INPUT_INTEGER_BITS)) / (1 << shift)
+    return multiplier, shift, int(math.floor(max_rescaled))
+
+
+def _activation_table(input_scale, input_zero_point, function, output_shift: int, output_offset: int):
+    from . import fixedpoint
+
+    multiplier, shift, radius = _lut_input_rescale(input_scale)
+    table = np.empty(256, dtype=np.int8)
+    for index, value in enumerate(range(-128, 128)):
+        centred = value - int(input_zero_point)
+        if centred <= -radius:
+            out = -128
+        elif centred >= radius:
+            out = 127
+        else:
+            q4 = int(multiply_by_quantized_multiplier(np.array([centred]), multiplier, shift)[0])
+            raw = function(q4, LUT_INPUT_INTEGER_BITS)
+            out = fixedpoint.rounding_divide_by_pot(raw, output_shift) + output_offset
+        table[index] = min(max(out, -128), 127)
+    return table
+
+
+def logistic_table(input_scale, input_zero_point) -> np.ndarray:
+    """int8 LOGISTIC of every input -128..127, as reference_integer_ops::Logistic computes it.
+
+    TFLite fixes the output qparams at scale 1/256, zero point -128.
+    """
+    from . import fixedpoint
+
+    return _activation_table(input_scale, input_zero_point, fixedpoint.logistic, 31 - 8, -128)
+
+
+def tanh_table(input_scale, input_zero_point) -> np.ndarray:
+    """int8 TANH of every input -128..127, as reference_integer_ops::Tanh computes it.
+
+    TFLite fixes the output qparams at scale 1/128, zero point 0.
+    """
+    from . import fixedpoint
+
+    return _activation_table(input_scale, input_zero_point, fixedpoint.tanh, 31 - 7, 0)

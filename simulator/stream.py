@@ -22,10 +22,11 @@ from ._generated import Elementwise as fb_elementwise
 from ._generated import FeatureMap as fb_fmap
 from ._generated import Pooling as fb_pooling
 from ._generated import Reduction as fb_reduction
+from ._generated import TableLookup as fb_lut
 from .errors import StreamError
 from .isa import (FORMAT_VERSION, PAYLOAD_OF_OPCODE, Buffer, BufferKind, Command, CommandStream,
                   Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode, Pooling,
-                  Reduction)
+                  Reduction, TableLookup)
 from .numerics import Rounding
 
 FILE_IDENTIFIER = b"NPUC"
@@ -70,7 +71,8 @@ def _unflatten_conv(flat: dict[str, int], ifm: FeatureMap, ofm: FeatureMap) -> C
 
 FLAT_PAYLOADS = {Elementwise: ("elementwise", fb_elementwise, "Elementwise"),
                  Reduction: ("reduction", fb_reduction, "Reduction"),
-                 Pooling: ("pooling", fb_pooling, "Pooling")}
+                 Pooling: ("pooling", fb_pooling, "Pooling"),
+                 TableLookup: ("lut", fb_lut, "TableLookup")}
 """Payloads whose dataclass fields map one to one onto schema fields (feature maps nested)."""
 
 

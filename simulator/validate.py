@@ -12,7 +12,8 @@ import numpy as np
 from .config import NpuConfig
 from .errors import StreamError
 from .isa import (SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolution, DmaCopy,
-                  Elementwise, FeatureMap, MemorySpace, Opcode, Pooling, Reduction, conv_output_size,
+                  Elementwise, FeatureMap, LUT_ENTRIES, MemorySpace, Opcode, Pooling, Reduction, TableLookup,
+                  conv_output_size,
                   weight_shape)
 
 DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
@@ -178,6 +179,13 @@ def _check_pooling(config: NpuConfig, op: Pooling, where: str) -> None:
         raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
 
 
+def _check_lut(config: NpuConfig, op: TableLookup, where: str) -> None:
+    table = FeatureMap(op.table_address, 1, LUT_ENTRIES, 1)
+    _check_regions(config, where, {"ifm": op.ifm, "table": table}, op.ofm)
+    if op.ifm.size != op.ofm.size:
+        raise StreamError(f"{where}: look-up ifm and ofm hold different element counts")
+
+
 def _check_command(stream: CommandStream, config: NpuConfig, index: int, command: Command) -> None:
     where = f"command {index} ({command.opcode.name})"
     payload = command.payload
@@ -189,6 +197,8 @@ def _check_command(stream: CommandStream, config: NpuConfig, index: int, command
         _check_reduction(config, payload, where)
     elif isinstance(payload, Pooling):
         _check_pooling(config, payload, where)
+    elif isinstance(payload, TableLookup):
+        _check_lut(config, payload, where)
     else:
         _check_conv(config, command.opcode, payload, where)
 

@@ -197,3 +197,16 @@ def integer_conv_module(idiom: ConvIdiom, centred: bool = True, requantize_with_
             gv = bb.emit_output(out)
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def activation_module(op=relax.op.sigmoid, shape=(1, 4, 4, 8), q_in=(0.05, 3), q_out=(1 / 256, -128)):
+    """quantize(activation(dequantize(x))): TVM's importer form of int8 LOGISTIC / TANH."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dx = bb.emit(relax.op.dequantize(x, f32(q_in[0]), i32(q_in[1]), axis=0))
+            act = bb.emit(op(dx))
+            gv = bb.emit_output(relax.op.quantize(act, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()

@@ -78,3 +78,17 @@ def test_requantize_clamps_and_checks_its_range():
     assert requantize(np.array([-500, 3, 500]), m, s, 10, -128, 100).tolist() == [-128, 13, 100]
     with pytest.raises(NumericsError):
         requantize(np.array([1]), m, s, 0, -129, 127)
+
+
+def test_activation_tables_track_the_real_functions():
+    """The fixed-point tables (exact against BUILTIN_REF in the golden tests) stay within 1 LSB of math."""
+    from simulator.numerics import logistic_table, tanh_table
+
+    x = np.arange(-128, 128)
+    s_in, zp = 0.0625, 5
+    real = (x - zp) * s_in
+    sigmoid = np.clip(np.round(1 / (1 + np.exp(-real)) * 256) - 128, -128, 127)
+    tanh = np.clip(np.round(np.tanh(real) * 128), -128, 127)
+    assert np.max(np.abs(logistic_table(s_in, zp).astype(int) - sigmoid)) <= 1
+    assert np.max(np.abs(tanh_table(s_in, zp).astype(int) - tanh)) <= 1
+    assert logistic_table(s_in, zp)[zp + 128] == 0  # logistic(0) = 0.5 -> 128/256 - 128

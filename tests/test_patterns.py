@@ -35,7 +35,7 @@ def test_registry_order_puts_fused_activation_first():
     clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add", "npu.max_pool2d",
                "npu.avg_pool2d"]
     n = len(clipped)
-    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape"]
+    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh"]
     assert all("relax.clip" in str(e.pattern) for e in entries[:n])
     assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
 
@@ -268,3 +268,23 @@ def test_float_reshape_is_not_an_npu_reshape():
         bb.emit_func_output(out)
     report = npu_backend.partition_report(npu_backend.partition_for_npu(bb.get()))
     assert report.host_ops[0].reason == "npu.reshape: reshape of float32 data is not an int8 tensor move"
+
+
+@pytest.mark.parametrize("op, name, q_out", [(relax.op.sigmoid, "npu.sigmoid", (1 / 256, -128)),
+                                             (relax.op.tanh, "npu.tanh", (1 / 128, 0))])
+def test_fake_quantized_activation_becomes_a_table(op, name, q_out):
+    from relax_idioms import activation_module
+
+    (found, p), = composites(npu_backend.partition_for_npu(activation_module(op, q_out=q_out)))
+    assert found == name and (p.input_scale, p.input_zero_point) == (np.float32(0.05), 3)
+    assert (p.output_scale, p.output_zero_point) == (np.float32(q_out[0]), q_out[1])
+
+
+def test_activation_with_other_output_qparams_stays_on_host():
+    """TFLite's int8 LOGISTIC is defined only for output scale 1/256 and zero point -128."""
+    from relax_idioms import activation_module
+
+    mod = npu_backend.partition_for_npu(activation_module(q_out=(0.01, 0)))
+    assert composites(mod) == []
+    sigmoid = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.sigmoid")
+    assert "int8 LOGISTIC needs output scale 0.00390625 and zero point -128" in sigmoid.reason

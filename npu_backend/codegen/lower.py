@@ -14,13 +14,13 @@ from tvm import relax
 
 from simulator.config import NpuConfig, get_config
 from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
-                           FeatureMap, MemorySpace, Opcode, Pooling, Reduction)
+                           FeatureMap, MemorySpace, Opcode, Pooling, Reduction, TableLookup)
 from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams, ReshapeParams, from_attrs
-from .multipliers import add_multipliers, conv_multipliers, mean_multiplier
-from .plan import LayerGeometry, TilePlan, plan_add, plan_copy, plan_layer, plan_mean
+from ..params import AddParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams, ReshapeParams, from_attrs
+from .multipliers import add_multipliers, conv_multipliers, lut_table, mean_multiplier
+from .plan import LayerGeometry, TilePlan, plan_add, plan_copy, plan_layer, plan_lut, plan_mean
 
 CONFIG_ATTR = "npu.preset"
 
@@ -174,6 +174,22 @@ def emit_reshape(sb: StreamBuilder, p: ReshapeParams, layer: str, sources: list[
         sb.dma(layer, dst, start, 0, count, to_sram=False)
 
 
+def emit_lut(sb: StreamBuilder, p: LutParams, layer: str, sources: list[int], dst: int) -> None:
+    """Load the operator's table once, then look up the input chunk by chunk."""
+    (src,) = sources
+    plan = plan_lut(p, sb.config)
+    table = sb.add_buffer(f"{layer}.table", BufferKind.CONSTANT, (256,), data=lut_table(p).tobytes())
+    sb.dma(layer, table, 0, plan.table_address, 256)
+    total = int(np.prod(p.shape))
+    for start in range(0, total, plan.chunk):
+        count = min(plan.chunk, total - start)
+        sb.dma(layer, src, start, plan.ifm_address, count)
+        op = TableLookup(ifm=FeatureMap(plan.ifm_address, 1, count, 1), ofm=FeatureMap(plan.ofm_address, 1, count, 1),
+                         table_address=plan.table_address)
+        sb.commands.append(Command(Opcode.LUT, op, layer))
+        sb.dma(layer, dst, start, plan.ofm_address, count, to_sram=False)
+
+
 LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
@@ -183,6 +199,8 @@ LOWERINGS = {
     NpuOp.MAX_POOL2D: emit_pool,
     NpuOp.AVG_POOL2D: emit_pool,
     NpuOp.RESHAPE: emit_reshape,
+    NpuOp.SIGMOID: emit_lut,
+    NpuOp.TANH: emit_lut,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

@@ -1,4 +1,4 @@
-"""Fixed-point multipliers of each operator, prepared exactly as TFLite prepares them.
+"""Fixed-point multipliers (and look-up tables) of each operator, prepared exactly as TFLite does.
 
 The pattern check calls this too, so an operator whose scales cannot be
 represented stays on the host instead of failing at code generation.
@@ -10,7 +10,8 @@ import numpy as np
 
 from simulator import numerics
 
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams, ReshapeParams
+from ..errors import QParamError
+from ..params import AddParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PoolParams, ReshapeParams
 
 
 def conv_multipliers(p: ConvParams):
@@ -43,8 +44,24 @@ def no_multipliers(p: PoolParams | ReshapeParams):
     return ()
 
 
+LUT_FUNCTIONS = {
+    NpuOp.SIGMOID: (numerics.logistic_table, (1.0 / 256, -128), "LOGISTIC"),
+    NpuOp.TANH: (numerics.tanh_table, (1.0 / 128, 0), "TANH"),
+}
+"""Table generator and the output qparams TFLite's int8 kernel requires, per activation."""
+
+
+def lut_table(p: LutParams) -> np.ndarray:
+    """The 256-entry table; TFLite's int8 kernels only exist for their fixed output qparams."""
+    generate, (scale, zero_point), name = LUT_FUNCTIONS[p.op]
+    if (p.output_scale, p.output_zero_point) != (float(np.float32(scale)), zero_point):
+        raise QParamError(f"int8 {name} needs output scale {scale:g} and zero point {zero_point}, "
+                          f"got {p.output_scale:g} and {p.output_zero_point}")
+    return generate(p.input_scale, p.input_zero_point)
+
+
 DERIVE = {ConvParams: conv_multipliers, AddParams: add_multipliers, MeanParams: mean_multiplier,
-          PoolParams: no_multipliers, ReshapeParams: no_multipliers}
+          PoolParams: no_multipliers, ReshapeParams: no_multipliers, LutParams: lut_table}
 
 
 def derive_multipliers(p: NpuParams):

@@ -22,7 +22,7 @@ from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, NpuParams, PoolParams, ReshapeParams
+from ..params import AddParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PoolParams, ReshapeParams
 
 SRAM_ALIGN = 16
 
@@ -172,8 +172,25 @@ def plan_copy(p: ReshapeParams, config: NpuConfig) -> int:
     return min(math.prod(p.ifm_shape), config.sram_bytes)
 
 
+@dataclass(frozen=True)
+class LutPlan:
+    chunk: int
+    table_address: int
+    ifm_address: int
+    ofm_address: int
+
+
+def plan_lut(p: LutParams, config: NpuConfig) -> LutPlan:
+    """The 256-byte table, then input and output chunks of equal size."""
+    table = _align(256)
+    chunk = min(math.prod(p.shape), ((config.sram_bytes - table) // 2) // SRAM_ALIGN * SRAM_ALIGN)
+    if chunk < 1:
+        raise UnsupportedOpError(f"the {config.sram_bytes}-byte SRAM cannot hold a look-up table and its operands")
+    return LutPlan(chunk, 0, table, table + _align(chunk))
+
+
 PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean, PoolParams: plan_layer,
-            ReshapeParams: plan_copy}
+            ReshapeParams: plan_copy, LutParams: plan_lut}
 
 
 def plan(p: NpuParams, config: NpuConfig):

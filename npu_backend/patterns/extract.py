@@ -23,7 +23,7 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..params import AddParams, ConvParams, MeanParams, NpuOp, PoolParams, ReshapeParams
+from ..params import AddParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams, ReshapeParams
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -279,3 +279,17 @@ def extract_reshape(annotations: Mapping[str, relax.Expr]) -> ReshapeParams:
     if _dtype(x) != "int8":
         raise UnsupportedOpError(f"reshape of {_dtype(x)} data is not an int8 tensor move")
     return ReshapeParams(op=NpuOp.RESHAPE, ifm_shape=_shape(x), ofm_shape=_shape(reshape))
+
+
+def _activation(annotations, op: NpuOp) -> LutParams:
+    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    return LutParams(op=op, shape=_shape(x), input_scale=in_scale, input_zero_point=in_zp,
+                     output_scale=out_scale, output_zero_point=out_zp)
+
+
+def extract_sigmoid(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    return _activation(annotations, NpuOp.SIGMOID)
+
+
+def extract_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    return _activation(annotations, NpuOp.TANH)

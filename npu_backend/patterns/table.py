@@ -22,7 +22,8 @@ from ..errors import NpuError
 from ..params import NpuParams
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation
 from .extract import (extract_add, extract_avg_pool2d, extract_conv2d, extract_depthwise_conv2d,
-                      extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape)
+                      extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape,
+                      extract_sigmoid, extract_tanh)
 
 PREFIX = "npu"
 
@@ -123,6 +124,19 @@ def reshape_pattern(with_clip: bool):
     return reshape, dict(input=x, anchor=reshape)
 
 
+def activation_pattern(op_name: str):
+    """dequantize -> activation -> quantize: a fake-quantized elementwise activation."""
+
+    def build(with_clip: bool):
+        x, input_dq = _dequantized_input()
+        act = is_op(op_name)(input_dq)
+        quantize = is_op("relax.quantize")(act, is_const(), is_const())
+        return quantize, dict(input=x, input_dq=input_dq, anchor=act, quantize=quantize)
+
+    build.__doc__ = f"quantize({op_name}(dequantize(x))): an int8 table look-up on the NPU."
+    return build
+
+
 @dataclass(frozen=True)
 class PatternEntry:
     """An NPU operator: its composite name, graph pattern, extraction and hardware rules."""
@@ -143,6 +157,10 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.max_pool2d", max_pool_pattern, extract_max_pool2d, rules=POOL_RULES),
     PatternEntry(f"{PREFIX}.avg_pool2d", avg_pool_pattern, extract_avg_pool2d, rules=POOL_RULES),
     PatternEntry(f"{PREFIX}.reshape", reshape_pattern, extract_reshape, rules=(), clip_variant=False),
+    PatternEntry(f"{PREFIX}.sigmoid", activation_pattern("relax.sigmoid"), extract_sigmoid, rules=ELEMENTWISE_RULES,
+                 clip_variant=False),
+    PatternEntry(f"{PREFIX}.tanh", activation_pattern("relax.tanh"), extract_tanh, rules=ELEMENTWISE_RULES,
+                 clip_variant=False),
 )
 ENTRY_BY_NAME = {entry.name: entry for entry in OPERATORS}
 

@@ -97,7 +97,18 @@ class Command(object):
             return obj
         return None
 
-def CommandStart(builder): builder.StartObject(7)
+    # Command
+    def Lut(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(18))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .TableLookup import TableLookup
+            obj = TableLookup()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def CommandStart(builder): builder.StartObject(8)
 def Start(builder):
     return CommandStart(builder)
 def CommandAddOpcode(builder, opcode): builder.PrependUint8Slot(0, opcode, 0)
@@ -121,6 +132,9 @@ def AddReduction(builder, reduction):
 def CommandAddPooling(builder, pooling): builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(pooling), 0)
 def AddPooling(builder, pooling):
     return CommandAddPooling(builder, pooling)
+def CommandAddLut(builder, lut): builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(lut), 0)
+def AddLut(builder, lut):
+    return CommandAddLut(builder, lut)
 def CommandEnd(builder): return builder.EndObject()
 def End(builder):
     return CommandEnd(builder)

@@ -11,3 +11,4 @@ class Opcode(object):
     MEAN = 5
     MAX_POOL2D = 6
     AVG_POOL2D = 7
+    LUT = 8

@@ -1,0 +1,123 @@
+"""gemmlowp fixed-point arithmetic on scalar int32 raws, as TFLite's reference kernels use it.
+
+Only the compiler calls these (through :mod:`simulator.numerics`) to fill the
+256-entry look-up tables of int8 LOGISTIC and TANH: an elementwise int8
+function is exactly its table, so evaluating TFLite's own fixed-point
+algorithm on every input makes the NPU's table look-up bit-exact with the
+reference interpreter. Names and constants follow gemmlowp's fixedpoint.h; a
+raw value with ``b`` integer bits represents ``raw / 2**(31 - b)``.
+"""
+
+from __future__ import annotations
+
+INT32_MIN = -(1 << 31)
+INT32_MAX = (1 << 31) - 1
+
+
+def wrap32(x: int) -> int:
+    return ((x + (1 << 31)) & 0xFFFFFFFF) - (1 << 31)
+
+
+def saturating_rounding_doubling_high_mul(a: int, b: int) -> int:
+    if a == b == INT32_MIN:
+        return INT32_MAX
+    product = a * b
+    nudge = (1 << 30) if product >= 0 else 1 - (1 << 30)
+    total = product + nudge
+    return total // (1 << 31) if total >= 0 else -((-total) // (1 << 31))
+
+
+def rounding_divide_by_pot(x: int, exponent: int) -> int:
+    mask = (1 << exponent) - 1
+    threshold = (mask >> 1) + (1 if x < 0 else 0)
+    return (x >> exponent) + (1 if (x & mask) > threshold else 0)
+
+
+def saturating_rounding_multiply_by_pot(x: int, exponent: int) -> int:
+    if exponent < 0:
+        return rounding_divide_by_pot(x, -exponent)
+    threshold = (1 << (31 - exponent)) - 1
+    if x > threshold:
+        return INT32_MAX
+    if x < -threshold:
+        return INT32_MIN
+    return wrap32(x << exponent)
+
+
+def rounding_half_sum(a: int, b: int) -> int:
+    total = a + b
+    sign = 1 if total >= 0 else -1
+    value = total + sign
+    return value // 2 if value >= 0 else -((-value) // 2)
+
+
+_mul = saturating_rounding_doubling_high_mul
+ONE_Q0 = INT32_MAX          # gemmlowp's One() when there are no integer bits
+ONE_Q2 = 1 << 29
+
+
+def exp_on_interval_between_negative_one_quarter_and_0_excl(a: int) -> int:
+    """exp(a) for a in [-1/4, 0), Q0 in and out: Taylor expansion around -1/8."""
+    constant_term, one_third = 1895147668, 715827883
+    x = wrap32(a + (1 << 28))
+    x2 = _mul(x, x)
+    x3 = _mul(x2, x)
+    x4 = _mul(x2, x2)
+    x4_over_4 = saturating_rounding_multiply_by_pot(x4, -2)
+    poly = saturating_rounding_multiply_by_pot(wrap32(_mul(wrap32(x4_over_4 + x3), one_third) + x2), -1)
+    return wrap32(constant_term + _mul(constant_term, wrap32(x + poly)))
+
+
+_EXP_BARREL = ((-2, 1672461947), (-1, 1302514674), (0, 790015084), (1, 290630308), (2, 39332535),
+               (3, 720401), (4, 242))
+"""(exponent, Q0 raw of exp(-2**exponent)) of gemmlowp's barrel shifter."""
+
+
+def exp_on_negative_values(a: int, integer_bits: int) -> int:
+    """exp(a) for a <= 0 given with ``integer_bits``; result in Q0."""
+    fractional_bits = 31 - integer_bits
+    one_quarter = 1 << (fractional_bits - 2)
+    a_mod_quarter_minus_one_quarter = wrap32((a & (one_quarter - 1)) - one_quarter)
+    result = exp_on_interval_between_negative_one_quarter_and_0_excl(
+        saturating_rounding_multiply_by_pot(a_mod_quarter_minus_one_quarter, integer_bits))
+    remainder = wrap32(a_mod_quarter_minus_one_quarter - a)
+    for exponent, multiplier in _EXP_BARREL:
+        if integer_bits > exponent and remainder & (1 << (fractional_bits + exponent)):
+            result = _mul(result, multiplier)
+    if integer_bits > 5 and a < -(1 << (36 - integer_bits)):
+        result = 0
+    return ONE_Q0 if a == 0 else result
+
+
+def _newton_reciprocal_of_half_denominator(a: int) -> int:
+    """Newton-Raphson for 1 / ((1 + a) / 2) with a in (0, 1): Q2 result."""
+    half_denominator = rounding_half_sum(a, ONE_Q0)
+    x = wrap32(1515870810 + _mul(half_denominator, -1010580540))  # 48/17 - 32/17 * d
+    for _ in range(3):
+        one_minus_dx = wrap32(ONE_Q2 - _mul(half_denominator, x))
+        x = wrap32(x + saturating_rounding_multiply_by_pot(_mul(x, one_minus_dx), 2))
+    return x
+
+
+def one_over_one_plus_x_for_x_in_0_1(a: int) -> int:
+    return saturating_rounding_multiply_by_pot(_newton_reciprocal_of_half_denominator(a), 1)
+
+
+def one_minus_x_over_one_plus_x_for_x_in_0_1(a: int) -> int:
+    return saturating_rounding_multiply_by_pot(wrap32(_newton_reciprocal_of_half_denominator(a) - ONE_Q2), 2)
+
+
+def logistic(a: int, integer_bits: int) -> int:
+    """gemmlowp::logistic: Q(integer_bits) in, Q0 out."""
+    if a == 0:
+        return 1 << 30
+    positive = one_over_one_plus_x_for_x_in_0_1(exp_on_negative_values(-abs(a), integer_bits))
+    return positive if a > 0 else wrap32(ONE_Q0 - positive)
+
+
+def tanh(a: int, integer_bits: int) -> int:
+    """gemmlowp::tanh: Q(integer_bits) in, Q0 out."""
+    if a == 0:
+        return 0
+    magnitude = one_minus_x_over_one_plus_x_for_x_in_0_1(exp_on_negative_values(-abs(a), integer_bits + 1))
+    return wrap32(-magnitude) if a < 0 else magnitude
