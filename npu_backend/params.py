@@ -54,6 +54,7 @@ class NpuOp(str, Enum):
     RESHAPE = "reshape"
     SIGMOID = "sigmoid"
     TANH = "tanh"
+    REQUANTIZE = "requantize"
 
 
 @dataclass(frozen=True)
@@ -140,7 +141,7 @@ class ReshapeParams:
 
 @dataclass(frozen=True)
 class LutParams:
-    """An elementwise int8 activation run as a 256-entry table (sigmoid, tanh)."""
+    """An elementwise int8 -> int8 function run as a 256-entry table (sigmoid, tanh, requantize)."""
 
     op: NpuOp
     shape: tuple[int, ...]
@@ -163,6 +164,7 @@ RECORD_OF_OP = {
     NpuOp.RESHAPE: ReshapeParams,
     NpuOp.SIGMOID: LutParams,
     NpuOp.TANH: LutParams,
+    NpuOp.REQUANTIZE: LutParams,
 }
 
 

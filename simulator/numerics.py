@@ -277,3 +277,16 @@ def tanh_table(input_scale, input_zero_point) -> np.ndarray:
     from . import fixedpoint
 
     return _activation_table(input_scale, input_zero_point, fixedpoint.tanh, 31 - 7, 0)
+
+
+def requantize_table(input_scale, input_zero_point, output_scale, output_zero_point,
+                     rounding=Rounding.TFLITE_DOUBLE) -> np.ndarray:
+    """int8 -> int8 requantization (TFLite QUANTIZE with an int8 input) of every input -128..127.
+
+    reference_ops::Requantize: multiplier from double(s_in) / double(s_out),
+    ``MultiplyByQuantizedMultiplier(x - z_in) + z_out``, saturated to int8.
+    """
+    multiplier, shift = quantize_multiplier(float(np.float32(input_scale)) / float(np.float32(output_scale)),
+                                            rounding)
+    values = np.arange(-128, 128, dtype=np.int64) - int(input_zero_point)
+    return requantize(values, multiplier, shift, output_zero_point, -128, 127, rounding)

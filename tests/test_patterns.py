@@ -35,7 +35,8 @@ def test_registry_order_puts_fused_activation_first():
     clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add", "npu.max_pool2d",
                "npu.avg_pool2d"]
     n = len(clipped)
-    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh"]
+    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh",
+                                                                                "npu.requantize"]
     assert all("relax.clip" in str(e.pattern) for e in entries[:n])
     assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
 
@@ -288,3 +289,22 @@ def test_activation_with_other_output_qparams_stays_on_host():
     assert composites(mod) == []
     sigmoid = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.sigmoid")
     assert "int8 LOGISTIC needs output scale 0.00390625 and zero point -128" in sigmoid.reason
+
+
+def test_standalone_requantize_is_a_table_matching_tflite_requantize():
+    import reference_kernels as ref
+    from npu_backend.codegen.multipliers import lut_table
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 16), "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dq = bb.emit(relax.op.dequantize(x, relax.const(np.float32(0.02)), relax.const(np.int32(-7)), axis=0))
+            gv = bb.emit_output(relax.op.quantize(dq, relax.const(np.float32(0.035)), relax.const(np.int32(9)),
+                                                  axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    (name, p), = composites(npu_backend.partition_for_npu(bb.get()))
+    assert name == "npu.requantize"
+    m, s = ref.quantize_multiplier(float(np.float32(0.02)) / float(np.float32(0.035)))
+    want = [min(max(ref.multiply_by_quantized_multiplier(v + 7, m, s) + 9, -128), 127) for v in range(-128, 128)]
+    assert lut_table(p).tolist() == want

@@ -201,6 +201,7 @@ LOWERINGS = {
     NpuOp.RESHAPE: emit_reshape,
     NpuOp.SIGMOID: emit_lut,
     NpuOp.TANH: emit_lut,
+    NpuOp.REQUANTIZE: emit_lut,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

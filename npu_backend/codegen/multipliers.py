@@ -44,7 +44,7 @@ def no_multipliers(p: PoolParams | ReshapeParams):
     return ()
 
 
-LUT_FUNCTIONS = {
+FIXED_OUTPUT_ACTIVATIONS = {
     NpuOp.SIGMOID: (numerics.logistic_table, (1.0 / 256, -128), "LOGISTIC"),
     NpuOp.TANH: (numerics.tanh_table, (1.0 / 128, 0), "TANH"),
 }
@@ -52,8 +52,10 @@ LUT_FUNCTIONS = {
 
 
 def lut_table(p: LutParams) -> np.ndarray:
-    """The 256-entry table; TFLite's int8 kernels only exist for their fixed output qparams."""
-    generate, (scale, zero_point), name = LUT_FUNCTIONS[p.op]
+    """The 256-entry table; TFLite's int8 activations only exist for their fixed output qparams."""
+    if p.op == NpuOp.REQUANTIZE:
+        return numerics.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+    generate, (scale, zero_point), name = FIXED_OUTPUT_ACTIVATIONS[p.op]
     if (p.output_scale, p.output_zero_point) != (float(np.float32(scale)), zero_point):
         raise QParamError(f"int8 {name} needs output scale {scale:g} and zero point {zero_point}, "
                           f"got {p.output_scale:g} and {p.output_zero_point}")

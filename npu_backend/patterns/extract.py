@@ -293,3 +293,7 @@ def extract_sigmoid(annotations: Mapping[str, relax.Expr]) -> LutParams:
 
 def extract_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return _activation(annotations, NpuOp.TANH)
+
+
+def extract_requantize(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    return _activation(annotations, NpuOp.REQUANTIZE)

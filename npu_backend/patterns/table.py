@@ -23,7 +23,7 @@ from ..params import NpuParams
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation
 from .extract import (extract_add, extract_avg_pool2d, extract_conv2d, extract_depthwise_conv2d,
                       extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape,
-                      extract_sigmoid, extract_tanh)
+                      extract_requantize, extract_sigmoid, extract_tanh)
 
 PREFIX = "npu"
 
@@ -137,6 +137,13 @@ def activation_pattern(op_name: str):
     return build
 
 
+def requantize_pattern(with_clip: bool):
+    """quantize(dequantize(x)) of int8 x: a standalone requantization (TFLite QUANTIZE int8 -> int8)."""
+    x, input_dq = _dequantized_input()
+    quantize = is_op("relax.quantize")(input_dq, is_const(), is_const())
+    return quantize, dict(input=x, input_dq=input_dq, anchor=quantize, quantize=quantize)
+
+
 @dataclass(frozen=True)
 class PatternEntry:
     """An NPU operator: its composite name, graph pattern, extraction and hardware rules."""
@@ -160,6 +167,8 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.sigmoid", activation_pattern("relax.sigmoid"), extract_sigmoid, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.tanh", activation_pattern("relax.tanh"), extract_tanh, rules=ELEMENTWISE_RULES,
+                 clip_variant=False),
+    PatternEntry(f"{PREFIX}.requantize", requantize_pattern, extract_requantize, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
 )
 ENTRY_BY_NAME = {entry.name: entry for entry in OPERATORS}
