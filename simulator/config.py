@@ -27,6 +27,8 @@ class NpuConfig:
         Width of the accumulators; sums wrap at this width as in hardware.
     sram_bytes : int
         On-chip SRAM that every tile (weights, scales, input and output stripes) must fit.
+    dram_bytes : int
+        DRAM the NPU can address: all buffers of a stream together must fit.
     dram_bytes_per_cycle : float
         Sustained DMA bandwidth between DRAM and SRAM.
     dram_latency_cycles : int
@@ -52,6 +54,7 @@ class NpuConfig:
     mac_cols: int
     accumulator_bits: int
     sram_bytes: int
+    dram_bytes: int
     dram_bytes_per_cycle: float
     dram_latency_cycles: int
     output_lanes: int
@@ -63,7 +66,7 @@ class NpuConfig:
     clock_mhz: int
 
     def __post_init__(self):
-        positive = ("mac_rows", "mac_cols", "sram_bytes", "output_lanes", "max_kernel",
+        positive = ("mac_rows", "mac_cols", "sram_bytes", "dram_bytes", "output_lanes", "max_kernel",
                     "max_stride", "max_dilation", "max_pool_kernel", "clock_mhz")
         for field_name in positive:
             if getattr(self, field_name) <= 0:
@@ -80,15 +83,15 @@ PRESETS: dict[str, NpuConfig] = {
     cfg.name: cfg
     for cfg in (
         NpuConfig(name="npu-256", mac_rows=16, mac_cols=16, accumulator_bits=32,
-                  sram_bytes=256 * 1024, dram_bytes_per_cycle=8.0, dram_latency_cycles=64,
+                  sram_bytes=256 * 1024, dram_bytes=256 << 20, dram_bytes_per_cycle=8.0, dram_latency_cycles=64,
                   output_lanes=8, command_overhead_cycles=32, max_kernel=8, max_stride=3,
                   max_dilation=4, max_pool_kernel=16, clock_mhz=500),
         NpuConfig(name="npu-1024", mac_rows=32, mac_cols=32, accumulator_bits=32,
-                  sram_bytes=1024 * 1024, dram_bytes_per_cycle=16.0, dram_latency_cycles=64,
+                  sram_bytes=1024 * 1024, dram_bytes=1 << 30, dram_bytes_per_cycle=16.0, dram_latency_cycles=64,
                   output_lanes=16, command_overhead_cycles=32, max_kernel=8, max_stride=3,
                   max_dilation=4, max_pool_kernel=16, clock_mhz=1000),
         NpuConfig(name="npu-tiny", mac_rows=8, mac_cols=8, accumulator_bits=32,
-                  sram_bytes=32 * 1024, dram_bytes_per_cycle=4.0, dram_latency_cycles=100,
+                  sram_bytes=32 * 1024, dram_bytes=64 << 20, dram_bytes_per_cycle=4.0, dram_latency_cycles=100,
                   output_lanes=4, command_overhead_cycles=32, max_kernel=8, max_stride=3,
                   max_dilation=4, max_pool_kernel=16, clock_mhz=400),
     )

@@ -220,6 +220,8 @@ def requantize_float(acc, scales, output_zero_point, act_min, act_max, out_dtype
     if not np.all(np.isfinite(scales)) or np.any(np.asarray(scales) < 0):
         raise NumericsError("float requantization scales must be finite and non-negative")
     product = np.asarray(acc, dtype=np.int64).astype(np.float64) * scales
+    if not np.all(np.abs(product) < 2.0 ** 62):
+        raise NumericsError("float requantization overflows: scale too large for the accumulators")
     truncated = np.trunc(product)
     rounded = truncated + np.where(np.abs(product - truncated) >= 0.5, np.sign(product), 0.0)
     scaled = wrap_signed(rounded.astype(np.int64), 32)

@@ -19,7 +19,10 @@ from .isa import (SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolut
 DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
 
 
-def _check_buffers(stream: CommandStream) -> None:
+def _check_buffers(stream: CommandStream, config: NpuConfig) -> None:
+    total = sum(buf.size for buf in stream.buffers)
+    if total > config.dram_bytes:
+        raise StreamError(f"buffers need {total} bytes of DRAM, more than the {config.dram_bytes} of {config.name}")
     names = set()
     for index, buf in enumerate(stream.buffers):
         where = f"buffer {index} ({buf.name!r})"
@@ -209,6 +212,6 @@ def validate_stream(stream: CommandStream, config: NpuConfig) -> None:
         raise StreamError(f"stream was compiled for {stream.config!r}, simulator is {config.name!r}")
     if not stream.buffers_of(BufferKind.OUTPUT):
         raise StreamError("stream declares no output buffer")
-    _check_buffers(stream)
+    _check_buffers(stream, config)
     for index, command in enumerate(stream.commands):
         _check_command(stream, config, index, command)
