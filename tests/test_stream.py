@@ -136,3 +136,32 @@ def test_opcode_table_is_complete():
     assert set(LOWERINGS) == set(RECORD_OF_OP) == set(NpuOp)
     assert {f"npu.{op.value}" for op in NpuOp} == {entry.name for entry in OPERATORS}
     assert set(RECORD_OF_OP.values()) == set(DERIVE) == set(PLANNERS)
+
+
+def test_mutated_streams_fail_only_with_stream_errors(conv_stream):
+    """Random byte flips and truncations: decode, validate and run raise NpuError or succeed."""
+    import random
+
+    from simulator import NpuError
+
+    data = encode_stream(conv_stream)
+    rng = random.Random(1234)
+    for _ in range(400):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 6)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        if rng.random() < 0.2:
+            mutated = mutated[:rng.randrange(len(mutated))]
+        try:
+            stream = decode_stream(bytes(mutated))
+            validate_stream(stream, get_config(stream.config))
+            run_stream(stream, {b.name: np.zeros(b.shape, b.dtype) for _, b in stream.buffers_of(BufferKind.INPUT)})
+        except NpuError:
+            pass
+
+
+def test_stream_larger_than_dram_is_refused(conv_stream):
+    huge = dataclasses.replace(conv_stream.buffers[1], size=CONFIG.dram_bytes)
+    stream = dataclasses.replace(conv_stream, buffers=(conv_stream.buffers[0], huge, *conv_stream.buffers[2:]))
+    with pytest.raises(StreamError, match="bytes of DRAM"):
+        validate_stream(stream, CONFIG)
