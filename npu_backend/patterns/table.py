@@ -28,17 +28,22 @@ from .extract import (extract_add, extract_avg_pool2d, extract_conv2d, extract_d
 PREFIX = "npu"
 
 
+def _with_clip(root: DFPattern, annotations: dict, with_clip: bool):
+    """Optionally follow a pattern with an int8 clip: the fused ReLU/ReLU6 of TFLite's importer."""
+    if not with_clip:
+        return root, annotations
+    clip = is_op("relax.clip")(root, wildcard(), wildcard())
+    annotations["clip"] = clip
+    return clip, annotations
+
+
 def _quantized(op_pattern: DFPattern, annotations: dict, with_clip: bool):
     """Wrap an operator pattern in [+ dequantized bias] -> quantize [-> int8 clip]."""
     bias = is_op("relax.dequantize")(is_const(), is_const(), is_const())
     quantize = is_op("relax.quantize")(is_op("relax.add")(op_pattern, bias) | op_pattern,
                                        is_const(), is_const())
     annotations.update(bias=bias, quantize=quantize)
-    if not with_clip:
-        return quantize, annotations
-    clip = is_op("relax.clip")(quantize, wildcard(), wildcard())
-    annotations["clip"] = clip
-    return clip, annotations
+    return _with_clip(quantize, annotations, with_clip)
 
 
 def _dequantized_input():
@@ -78,11 +83,7 @@ def add_pattern(with_clip: bool):
     quantize = is_op("relax.quantize")(add, is_const(), is_const())
     annotations = dict(input=x, input_dq=input_dq, input2=x2, input2_dq=input2_dq, anchor=add,
                        quantize=quantize)
-    if not with_clip:
-        return quantize, annotations
-    clip = is_op("relax.clip")(quantize, wildcard(), wildcard())
-    annotations["clip"] = clip
-    return clip, annotations
+    return _with_clip(quantize, annotations, with_clip)
 
 
 def mean_pattern(with_clip: bool):
@@ -91,14 +92,6 @@ def mean_pattern(with_clip: bool):
     mean = is_op("relax.mean")(input_dq)
     quantize = is_op("relax.quantize")(mean, is_const(), is_const())
     return quantize, dict(input=x, input_dq=input_dq, anchor=mean, quantize=quantize)
-
-
-def _with_clip(root: DFPattern, annotations: dict, with_clip: bool):
-    if not with_clip:
-        return root, annotations
-    clip = is_op("relax.clip")(root, wildcard(), wildcard())
-    annotations["clip"] = clip
-    return clip, annotations
 
 
 def max_pool_pattern(with_clip: bool):
