@@ -1,18 +1,22 @@
 """The canonical parameter records of NPU operators and their attribute encoding.
 
-A matched composite is turned into a :class:`ConvParams` once (by the
-pattern table's ``extract_*`` functions); the record is written onto the
+A matched composite is turned into its record (:class:`ConvParams`,
+:class:`AddParams`, ...) once, by the pattern table's ``extract_*`` functions;
+the record is written onto the
 composite function as ``npu.*`` attributes, and the codegen rebuilds the
 record from those attributes. Nothing downstream re-derives a qparam from the
 operator body, so what a user reads on the composite is what runs.
 
 Attribute schema of ``npu.conv2d``, ``npu.depthwise_conv2d`` and
-``npu.fully_connected`` (``npu.add`` and ``npu.mean`` use the same names for
-the qparams they have: ``npu.input2_scale`` / ``npu.input2_zero_point`` for the
-second addend, ``npu.shape`` for the elementwise shape):
+``npu.fully_connected``. The other composites use the same names for the
+fields they have (one name per fact across all records), plus
+``npu.input2_scale`` / ``npu.input2_zero_point`` for the second addend of
+``npu.add`` and ``npu.shape`` for elementwise shapes; qparam-transparent ops
+(pooling, reshape) carry none, since they cannot change them. Every composite
+also carries ``npu.source_vars``, the bindings of the input graph it absorbed.
 
 =========================  ===========================================================
-``npu.op``                 operator kind (``conv2d`` / ``depthwise_conv2d`` / ``fully_connected``)
+``npu.op``                 operator kind (an :class:`NpuOp` value name)
 ``npu.ifm_shape``          input shape (NHWC, or [N, IC] for fully connected)
 ``npu.ofm_shape``          output shape
 ``npu.input_scale``        float32 input scale
@@ -27,7 +31,7 @@ second addend, ``npu.shape`` for the elementwise shape):
 ``npu.output_zero_point``  output zero point
 ``npu.clamp``              (qmin, qmax): the fused activation as an integer clamp
 ``npu.kernel`` ...         ``npu.strides``, ``npu.dilation``, ``npu.padding`` (top, left, bottom, right)
-``npu.rounding``           requantization rounding (``TFLITE_DOUBLE``, ``TFLITE_SINGLE``)
+``npu.rounding``           requantization rounding (``TFLITE_DOUBLE``, ``TFLITE_SINGLE``, ``FLOAT64``)
 =========================  ===========================================================
 """
 
