@@ -16,7 +16,7 @@ fields they have (one name per fact across all records), plus
 also carries ``npu.source_vars``, the bindings of the input graph it absorbed.
 
 =========================  ===========================================================
-``npu.op``                 operator kind (an :class:`NpuOp` value name)
+``npu.op``                 operator kind (the :class:`NpuOp` member name, e.g. ``CONV2D``)
 ``npu.ifm_shape``          input shape (NHWC, or [N, IC] for fully connected)
 ``npu.ofm_shape``          output shape
 ``npu.input_scale``        float32 input scale
