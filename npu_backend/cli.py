@@ -1,4 +1,4 @@
-"""The ``npu`` command: compile | inspect | sim | run.
+"""The ``npu`` command: run | compile | partition | inspect | sim.
 
 ``inspect`` and ``sim`` import only the simulator (no TVM), so they start fast
 and work where only numpy and flatbuffers are installed. Every failure the
@@ -107,6 +107,15 @@ def cmd_compile(args) -> int:
     return 0
 
 
+def cmd_partition(args) -> int:
+    import npu_backend
+
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(npu_backend.load_tflite(args.model),
+                                                                          args.preset))
+    print(report.to_json() if args.json else report.format_table())
+    return 0
+
+
 def _reference_outputs(model: str, inputs: list[np.ndarray]):
     """TFLite's reference kernels (BUILTIN_REF), or None when ai-edge-litert is absent."""
     try:
@@ -184,6 +193,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("-o", "--output", required=True, help="output directory")
     comp.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     comp.set_defaults(func=cmd_compile)
+    part = sub.add_parser("partition", help="show where every operator runs (NPU or host) and why")
+    part.add_argument("model")
+    part.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    part.add_argument("--json", action="store_true", help="machine-readable report")
+    part.set_defaults(func=cmd_partition)
     insp = sub.add_parser("inspect", help="validate and print a command stream")
     insp.add_argument("stream")
     insp.set_defaults(func=cmd_inspect)

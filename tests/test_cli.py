@@ -66,3 +66,14 @@ def test_console_exit_status_is_real(tmp_path):
                             capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == "npu: error: not a command stream: missing the 'NPUC' file identifier"
+
+
+def test_partition_report_table_and_json(capsys):
+    import json
+
+    assert main(["partition", str(MODEL)]) == 0
+    table = capsys.readouterr().out
+    assert "npu.conv2d" in table and "operators on the NPU, 0 on the host" in table
+    assert main(["partition", str(MODEL), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["preset"] == "npu-256" and {o["target"] for o in report["ops"]} == {"npu"}
