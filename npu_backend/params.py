@@ -59,6 +59,7 @@ class NpuOp(str, Enum):
     SIGMOID = "sigmoid"
     TANH = "tanh"
     REQUANTIZE = "requantize"
+    CONCAT = "concat"
 
 
 @dataclass(frozen=True)
@@ -155,7 +156,21 @@ class LutParams:
     output_zero_point: int
 
 
-NpuParams = ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams | LutParams
+@dataclass(frozen=True)
+class ConcatParams:
+    """Concatenation of int8 tensors that share one scale and zero point (TFLite's int8 rule),
+    so it only moves bytes."""
+
+    op: NpuOp
+    ofm_shape: tuple[int, ...]
+    axis: int
+    extents: tuple[int, ...]
+    """Size of each input along ``axis``, in input order."""
+    output_scale: float
+    output_zero_point: int
+
+
+NpuParams = ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
@@ -169,6 +184,7 @@ RECORD_OF_OP = {
     NpuOp.SIGMOID: LutParams,
     NpuOp.TANH: LutParams,
     NpuOp.REQUANTIZE: LutParams,
+    NpuOp.CONCAT: ConcatParams,
 }
 
 

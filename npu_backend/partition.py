@@ -11,22 +11,23 @@ from simulator.config import DEFAULT_PRESET, get_config
 from .canonicalize import canonicalize
 from .codegen.lower import CONFIG_ATTR
 from .params import to_attrs
-from .patterns import ENTRY_BY_NAME, PREFIX, PartitionContext, registered_patterns
+from .patterns import ENTRIES_BY_NAME, PREFIX, PartitionContext, registered_patterns
 from .patterns.table import ACTIVE_CONTEXT
 from .errors import NpuError
 from .report import NO_PATTERN, REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings
 
 
-def _match_annotations(entry, func: relax.Function) -> dict:
-    """Re-match the entry's pattern on a fused composite to recover the named sub-expressions."""
+def _match_annotations(name: str, func: relax.Function):
+    """Re-match the composite's patterns on its body: (entry, named sub-expressions)."""
     var2val = relax.analysis.get_var2val(func)
     root = var2val.get(func.body.body, func.body.body)
-    for with_clip in (True, False) if entry.clip_variant else (False,):
-        pattern, annotations = entry.build(with_clip)
-        matched = pattern.extract_matched_expr(root, var2val)
-        if matched is not None:
-            return {name: matched[p] for name, p in annotations.items() if p in matched}
-    raise RuntimeError(f"internal error: composite {entry.name} no longer matches its own pattern")
+    for entry in ENTRIES_BY_NAME[name]:
+        for with_clip in (True, False) if entry.clip_variant else (False,):
+            pattern, annotations = entry.build(with_clip)
+            matched = pattern.extract_matched_expr(root, var2val)
+            if matched is not None:
+                return entry, {key: matched[p] for key, p in annotations.items() if p in matched}
+    raise RuntimeError(f"internal error: composite {name} no longer matches its own pattern")
 
 
 SOURCE_ATTR = "npu.source_vars"
@@ -65,8 +66,8 @@ def _annotate_composites(original: relax.Function, mod: tvm.IRModule) -> tvm.IRM
         name = str(func.attrs["Composite"]) if func.attrs and "Composite" in func.attrs else ""
         if not name.startswith(PREFIX + "."):
             continue
-        entry = ENTRY_BY_NAME[name]
-        params = entry.extract(_match_annotations(entry, func))
+        entry, annotations = _match_annotations(name, func)
+        params = entry.extract(annotations)
         mod[gvar] = func.with_attrs({**to_attrs(params), SOURCE_ATTR: sources.get(gvar, [])})
     return mod
 

@@ -153,6 +153,21 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
     return tf.keras.Model(inputs, layer(inputs), name=spec.name)
 
 
+def concat_network(seed: int) -> tf.keras.Model:
+    """Inception-style: a 1x1 convolution branch and a max-pool branch, concatenated on channels.
+
+    The converter must give every CONCATENATION input the output's qparams
+    (TFLite's int8 rule), so it inserts requantizing QUANTIZE ops where the
+    branches' ranges differ: the fixture checks concat and requantize together.
+    """
+    inputs = tf.keras.Input((12, 12, 8), batch_size=1)
+    conv = tf.keras.layers.Conv2D(16, 1, activation="relu",
+                                  kernel_initializer=tf.keras.initializers.RandomNormal(stddev=0.6, seed=seed),
+                                  bias_initializer=tf.keras.initializers.RandomNormal(stddev=0.5, seed=seed + 1))
+    pooled = tf.keras.layers.MaxPooling2D(3, strides=1, padding="same")(inputs)
+    return tf.keras.Model(inputs, tf.keras.layers.Concatenate()([conv(inputs), pooled]), name="concat_branches")
+
+
 def mobilenet_v2(seed: int) -> tf.keras.Model:
     """MobileNetV2 alpha 0.35 at 96x96 with random weights and data-dependent BatchNorm statistics.
 
@@ -284,6 +299,10 @@ def main() -> None:
         tf.keras.utils.set_random_seed(seed_of(spec.name))
         manifest.append(write(spec.name, spec.kind, describe(spec), single_layer_model(spec), spec.per_channel,
                               EXPECTED_OP[spec.kind], spec.calibration_range))
+    tf.keras.backend.clear_session()
+    tf.keras.utils.set_random_seed(seed_of("concat_branches"))
+    manifest.append(write("concat_branches", "network", "1x1 conv branch and 3x3 max-pool branch concatenated "
+                          "on channels (1x12x12x8 -> 1x12x12x24)", concat_network(seed_of("concat_branches")), True))
     tf.keras.backend.clear_session()
     tf.keras.utils.set_random_seed(seed_of(NETWORK_NAME))
     manifest.append(write(NETWORK_NAME, "network", NETWORK_DESCRIPTION, mobilenet_v2(seed_of(NETWORK_NAME)), True))

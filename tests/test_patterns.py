@@ -36,7 +36,7 @@ def test_registry_order_puts_fused_activation_first():
                "npu.avg_pool2d"]
     n = len(clipped)
     assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh",
-                                                                                "npu.requantize"]
+                                                                                "npu.requantize"] + ["npu.concat"] * 5
     assert all("relax.clip" in str(e.pattern) for e in entries[:n])
     assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
 
@@ -308,3 +308,31 @@ def test_standalone_requantize_is_a_table_matching_tflite_requantize():
     m, s = ref.quantize_multiplier(float(np.float32(0.02)) / float(np.float32(0.035)))
     want = [min(max(ref.multiply_by_quantized_multiplier(v + 7, m, s) + 9, -128), 127) for v in range(-128, 128)]
     assert lut_table(p).tolist() == want
+
+
+def _concat_module(qparams, out_q=(0.05, 2), axis=3):
+    from relax_idioms import f32, i32
+
+    bb = relax.BlockBuilder()
+    xs = [relax.Var(f"x{i}", relax.TensorType((1, 4, 4, 2 + i), "int8")) for i in range(len(qparams))]
+    with bb.function("main", xs):
+        with bb.dataflow():
+            dqs = [bb.emit(relax.op.dequantize(x, f32(s), i32(z), axis=0)) for x, (s, z) in zip(xs, qparams)]
+            cat = bb.emit(relax.op.concat(dqs, axis=axis))
+            gv = bb.emit_output(relax.op.quantize(cat, f32(out_q[0]), i32(out_q[1]), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+@pytest.mark.parametrize("arity", [2, 3, 6])
+def test_concat_of_equal_qparams(arity):
+    (name, p), = composites(npu_backend.partition_for_npu(_concat_module([(0.05, 2)] * arity)))
+    assert name == "npu.concat" and p.axis == 3 and p.extents == tuple(range(2, 2 + arity))
+    assert (p.output_scale, p.output_zero_point) == (np.float32(0.05), 2)
+
+
+def test_concat_with_differing_qparams_stays_on_host():
+    mod = npu_backend.partition_for_npu(_concat_module([(0.05, 2), (0.07, 2)]))
+    assert composites(mod) == []
+    concat = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.concat")
+    assert "concat input 1 has qparams" in concat.reason and "requantize" in concat.reason

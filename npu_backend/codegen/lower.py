@@ -18,9 +18,10 @@ from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convoluti
 from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams, ReshapeParams, from_attrs
+from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams, ReshapeParams,
+                      from_attrs)
 from .multipliers import add_multipliers, conv_multipliers, lut_table, mean_multiplier
-from .plan import LayerGeometry, TilePlan, plan_add, plan_copy, plan_layer, plan_lut, plan_mean
+from .plan import LayerGeometry, TilePlan, plan_add, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean
 
 CONFIG_ATTR = "npu.preset"
 
@@ -190,6 +191,19 @@ def emit_lut(sb: StreamBuilder, p: LutParams, layer: str, sources: list[int], ds
         sb.dma(layer, dst, start, plan.ofm_address, count, to_sram=False)
 
 
+def emit_concat(sb: StreamBuilder, p: ConcatParams, layer: str, sources: list[int], dst: int) -> None:
+    """Each input's rows go through SRAM into their slice of the output's rows (strided DMA)."""
+    rows = int(np.prod(p.ofm_shape[:p.axis]))
+    out_row = int(np.prod(p.ofm_shape[p.axis:]))
+    for src, (row_bytes, chunk, offset) in zip(sources, plan_concat(p, sb.config)):
+        for r0 in range(0, rows, chunk):
+            count = min(chunk, rows - r0)
+            sb.dma(layer, src, r0 * row_bytes, 0, row_bytes, rows=count, dram_stride=row_bytes,
+                   sram_stride=row_bytes)
+            sb.dma(layer, dst, r0 * out_row + offset, 0, row_bytes, rows=count, dram_stride=out_row,
+                   sram_stride=row_bytes, to_sram=False)
+
+
 LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
@@ -202,6 +216,7 @@ LOWERINGS = {
     NpuOp.SIGMOID: emit_lut,
     NpuOp.TANH: emit_lut,
     NpuOp.REQUANTIZE: emit_lut,
+    NpuOp.CONCAT: emit_concat,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

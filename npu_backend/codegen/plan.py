@@ -22,7 +22,8 @@ from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
-from ..params import AddParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PoolParams, ReshapeParams
+from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PoolParams,
+                      ReshapeParams)
 
 SRAM_ALIGN = 16
 
@@ -189,8 +190,25 @@ def plan_lut(p: LutParams, config: NpuConfig) -> LutPlan:
     return LutPlan(chunk, 0, table, table + _align(chunk))
 
 
+def plan_concat(p: ConcatParams, config: NpuConfig) -> list[tuple[int, int, int]]:
+    """Per input: (row bytes, rows per chunk, byte offset of its slice in an output row).
+
+    A row is everything after ``axis`` for one index before it: each input's rows
+    land side by side in the output's rows.
+    """
+    inner = math.prod(p.ofm_shape[p.axis + 1:])
+    plans, offset = [], 0
+    for extent in p.extents:
+        row_bytes = extent * inner
+        if row_bytes > config.sram_bytes:
+            raise UnsupportedOpError(f"a {row_bytes}-byte concat row does not fit the {config.sram_bytes}-byte SRAM")
+        plans.append((row_bytes, config.sram_bytes // row_bytes, offset))
+        offset += row_bytes
+    return plans
+
+
 PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean, PoolParams: plan_layer,
-            ReshapeParams: plan_copy, LutParams: plan_lut}
+            ReshapeParams: plan_copy, LutParams: plan_lut, ConcatParams: plan_concat}
 
 
 def plan(p: NpuParams, config: NpuConfig):

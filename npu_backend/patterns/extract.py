@@ -23,7 +23,8 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..params import AddParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams, ReshapeParams
+from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams,
+                      ReshapeParams)
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -297,3 +298,23 @@ def extract_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
 
 def extract_requantize(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return _activation(annotations, NpuOp.REQUANTIZE)
+
+
+def extract_concat(annotations: Mapping[str, relax.Expr]) -> ConcatParams:
+    """Every input must share the output's qparams: TFLite's int8 CONCATENATION never rescales."""
+    quantize, concat = annotations["quantize"], annotations["anchor"]
+    out_scale, out_zp = _int8_qparams(quantize, "output")
+    if str(quantize.attrs.out_dtype) != "int8":
+        raise UnsupportedOpError(f"output dtype {quantize.attrs.out_dtype} is not int8")
+    count = sum(1 for name in annotations if name.startswith("input_dq"))
+    ofm_shape = _shape(concat)
+    axis = int(concat.attrs.axis) % len(ofm_shape)
+    extents = []
+    for i in range(count):
+        x, scale, zero_point = _dequantized_int8(annotations, f"input{i}", f"input_dq{i}", f"input {i}")
+        if (scale, zero_point) != (out_scale, out_zp):
+            raise QParamError(f"concat input {i} has qparams ({scale:g}, {zero_point}) but the output "
+                              f"({out_scale:g}, {out_zp}); each needs a requantize first")
+        extents.append(_shape(x)[axis])
+    return ConcatParams(op=NpuOp.CONCAT, ofm_shape=ofm_shape, axis=axis, extents=tuple(extents),
+                        output_scale=out_scale, output_zero_point=out_zp)

@@ -14,14 +14,14 @@ from dataclasses import dataclass, field
 
 from tvm.relax.backend.pattern_registry import get_patterns_with_prefix, register_patterns
 from tvm.relax.backend.utils import has_leaking_intermediate_variables
-from tvm.relax.dpl.pattern import DFPattern, is_const, is_op, wildcard
+from tvm.relax.dpl.pattern import DFPattern, is_const, is_op, is_tuple, wildcard
 
 from simulator.config import NpuConfig, get_config
 
 from ..errors import NpuError
 from ..params import NpuParams
-from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation
-from .extract import (extract_add, extract_avg_pool2d, extract_conv2d, extract_depthwise_conv2d,
+from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
+from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
                       extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape,
                       extract_requantize, extract_sigmoid, extract_tanh)
 
@@ -137,6 +137,25 @@ def requantize_pattern(with_clip: bool):
     return quantize, dict(input=x, input_dq=input_dq, anchor=quantize, quantize=quantize)
 
 
+MAX_CONCAT_INPUTS = 6
+
+
+def concat_pattern(arity: int):
+    """quantize(concat(dequantize(x0), ..., dequantize(xn))) for one number of inputs."""
+
+    def build(with_clip: bool):
+        inputs = [_dequantized_input() for _ in range(arity)]
+        concat = is_op("relax.concat")(is_tuple([dq for _, dq in inputs]))
+        quantize = is_op("relax.quantize")(concat, is_const(), is_const())
+        annotations = dict(anchor=concat, quantize=quantize)
+        for i, (x, dq) in enumerate(inputs):
+            annotations.update({f"input{i}": x, f"input_dq{i}": dq})
+        return quantize, annotations
+
+    build.__doc__ = f"int8 concatenation of {arity} tensors with equal qparams."
+    return build
+
+
 @dataclass(frozen=True)
 class PatternEntry:
     """An NPU operator: its composite name, graph pattern, extraction and hardware rules."""
@@ -163,8 +182,12 @@ OPERATORS = (
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.requantize", requantize_pattern, extract_requantize, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
+    *(PatternEntry(f"{PREFIX}.concat", concat_pattern(arity), extract_concat, rules=(tiles_fit_sram,),
+                   clip_variant=False) for arity in range(2, MAX_CONCAT_INPUTS + 1)),
 )
-ENTRY_BY_NAME = {entry.name: entry for entry in OPERATORS}
+ENTRIES_BY_NAME: dict[str, tuple[PatternEntry, ...]] = {
+    name: tuple(e for e in OPERATORS if e.name == name) for name in dict.fromkeys(e.name for e in OPERATORS)}
+"""Composite name -> its entries (one per idiom variant, e.g. each concat arity)."""
 
 
 @dataclass
