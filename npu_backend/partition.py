@@ -54,8 +54,9 @@ def _composite_sources(original: relax.Function, fused: tvm.IRModule) -> dict:
     for name, _ in operator_bindings(original):
         if name in host:
             continue
-        owner = inner_names.get(name) or next(pending)
-        sources[owner].append(name)
+        owner = inner_names.get(name) or next(pending, None)
+        if owner is not None:
+            sources[owner].append(name)
     return sources
 
 

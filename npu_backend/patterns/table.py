@@ -223,6 +223,8 @@ def _make_check(entry: PatternEntry):
                 reason = first_violation(entry.extract(annotations), active.config, entry.rules)
             except NpuError as exc:
                 reason = str(exc)
+            except Exception as exc:  # an idiom variant the extraction did not foresee: host, not a crash
+                reason = f"could not analyse this {entry.name} match ({type(exc).__name__}: {exc})"
         if reason is not None:
             active.rejections.append(Rejection(entry.name, anchor, reason))
         return reason is None
