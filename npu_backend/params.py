@@ -60,6 +60,7 @@ class NpuOp(str, Enum):
     TANH = "tanh"
     REQUANTIZE = "requantize"
     CONCAT = "concat"
+    PAD = "pad"
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,19 @@ class ConcatParams:
     output_zero_point: int
 
 
-NpuParams = ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
+@dataclass(frozen=True)
+class PadParams:
+    """Spatial constant padding of an int8 NHWC tensor; TFLite pads with the zero point."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    padding: tuple[int, int, int, int]
+    """(top, left, bottom, right)"""
+    pad_value: int
+
+
+NpuParams = (ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
+             | PadParams)
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
@@ -185,6 +198,7 @@ RECORD_OF_OP = {
     NpuOp.TANH: LutParams,
     NpuOp.REQUANTIZE: LutParams,
     NpuOp.CONCAT: ConcatParams,
+    NpuOp.PAD: PadParams,
 }
 
 

@@ -40,6 +40,8 @@ SAMPLES = 8
 CALIBRATION_SAMPLES = 20
 BN_BATCH = 16
 MAC_OPS = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"}
+TVM_REJECTS = {"PAD"}
+"""Quantized ops TVM 0.27's TFLite importer refuses; their fixtures test the error path, not the NPU."""
 ACTIVATIONS: dict[str | None, Callable | None] = {None: None, "relu": tf.nn.relu, "relu6": tf.nn.relu6}
 # If MobileNetV2's logits move less than this (mean std across the sample
 # inputs, in int8 steps), they barely depend on the input: the random network
@@ -53,7 +55,8 @@ class Spec:
     unit count (fully_connected); depthwise layers keep their input channels."""
 
     name: str
-    kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" | "tanh"
+    kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" |
+    #            "tanh" | "pad"
     input_shape: tuple[int, ...] = (12, 12, 8)
     kernel: int = 3
     stride: int = 1
@@ -92,11 +95,13 @@ SPECS = [
     Spec("avg_pool_3x3_s1_same", "avg_pool2d", DW_INPUT, per_channel=False),
     Spec("avg_pool_2x2_s2_valid", "avg_pool2d", DW_INPUT, kernel=2, stride=2, padding="valid", per_channel=False),
     Spec("avg_pool_3x3_s2_same_odd", "avg_pool2d", (11, 13, 8), stride=2, per_channel=False),
+    Spec("pad_1_2_3_0", "pad", (9, 7, 8), per_channel=False),
     Spec("logistic", "logistic", (8, 8, 16), per_channel=False, calibration_range=8.0),
     Spec("tanh", "tanh", (8, 8, 16), per_channel=False, calibration_range=4.0),
 ]
 EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
-               "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH"}
+               "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH",
+               "pad": "PAD"}
 ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh}
 POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
 
@@ -122,6 +127,8 @@ def describe(spec: Spec) -> str:
         return f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} {spec.padding.upper()} on {shape}"
     if spec.kind in ELEMENTWISE:
         return f"{spec.kind} on {shape}"
+    if spec.kind == "pad":
+        return f"zero padding (top 1, bottom 2, left 3, right 0) on {shape}"
     bias = "bias" if spec.use_bias else "no bias"
     return (f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} dilation {spec.dilation} "
             f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights")
@@ -142,6 +149,8 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
         layer = POOLS[spec.kind](pool_size=spec.kernel, strides=spec.stride, padding=spec.padding)
     elif spec.kind in ELEMENTWISE:
         layer = tf.keras.layers.Activation(ELEMENTWISE[spec.kind])
+    elif spec.kind == "pad":
+        layer = tf.keras.layers.ZeroPadding2D(((1, 2), (3, 0)))
     elif spec.kind == "conv2d":
         layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
     elif spec.kind == "depthwise_conv2d":
@@ -270,7 +279,7 @@ def write(name: str, kind: str, description: str, model: tf.keras.Model, per_cha
           f"{np.mean(outputs == 127):4.0%} at 127  {'per-channel' if per_channel else 'per-tensor '}  "
           f"{' '.join(sorted(set(ops)))}")
     return dict(name=name, file=path.name, kind=kind, description=description, per_channel=per_channel,
-                operators=sorted(set(ops)))
+                operators=sorted(set(ops)), tvm_imports=not TVM_REJECTS & set(ops))
 
 
 def check_network_outputs(name: str) -> None:

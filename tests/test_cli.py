@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import FIXTURES
+from conftest import FIXTURES, tflite_manifest
 from npu_backend.cli import main
 
 MODEL = FIXTURES / "tflite" / "conv2d_3x3_s2_same_relu.tflite"
@@ -77,3 +77,11 @@ def test_partition_report_table_and_json(capsys):
     assert main(["partition", str(MODEL), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["preset"] == "npu-256" and {o["target"] for o in report["ops"]} == {"npu"}
+
+
+@pytest.mark.parametrize("entry", tflite_manifest(tvm_imports=False), ids=lambda e: e["name"])
+def test_model_the_importer_rejects_is_one_line(entry, capsys):
+    """TVM 0.27's TFLite importer refuses quantized PAD: npu run reports it, no traceback."""
+    assert main(["run", str(FIXTURES / "tflite" / entry["file"])]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "TVM's TFLite importer rejected" in err[0] and "PAD" in err[0]

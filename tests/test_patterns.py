@@ -36,7 +36,7 @@ def test_registry_order_puts_fused_activation_first():
                "npu.avg_pool2d"]
     n = len(clipped)
     assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh",
-                                                                                "npu.requantize"] + ["npu.concat"] * 5
+                                                                                "npu.requantize", "npu.pad"] + ["npu.concat"] * 5
     assert all("relax.clip" in str(e.pattern) for e in entries[:n])
     assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
 
@@ -336,3 +336,22 @@ def test_concat_with_differing_qparams_stays_on_host():
     assert composites(mod) == []
     concat = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.concat")
     assert "concat input 1 has qparams" in concat.reason and "requantize" in concat.reason
+
+
+def test_int8_spatial_pad_runs_on_the_npu_exactly():
+    """pad with the zero point: the output equals numpy's pad, tiled into stripes on a small SRAM."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 40, 200, 8), "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            gv = bb.emit_output(relax.op.nn.pad(x, [0, 0, 1, 2, 3, 0, 0, 0], pad_value=-7.0))
+        bb.emit_func_output(gv)
+    mod = npu_backend.partition_for_npu(bb.get(), preset="npu-tiny")
+    (name, p), = composites(mod)
+    assert name == "npu.pad" and p.padding == (1, 3, 2, 0) and p.pad_value == -7
+    (stream,) = npu_backend.codegen.lower_module(mod).values()
+    assert len(stream.commands) == 3 * 3  # three stripes: fill, interior rows, store
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    data = np.random.default_rng(0).integers(-128, 128, (1, 40, 200, 8), dtype=np.int8)
+    want = np.pad(data, ((0, 0), (1, 2), (3, 0), (0, 0)), constant_values=-7)
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(data)).numpy(), want)

@@ -18,10 +18,11 @@ from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convoluti
 from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams, ReshapeParams,
-                      from_attrs)
+from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
+                      ReshapeParams, from_attrs)
 from .multipliers import add_multipliers, conv_multipliers, lut_table, mean_multiplier
-from .plan import LayerGeometry, TilePlan, plan_add, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean
+from .plan import (LayerGeometry, TilePlan, plan_add, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean,
+                   plan_pad)
 
 CONFIG_ATTR = "npu.preset"
 
@@ -204,6 +205,26 @@ def emit_concat(sb: StreamBuilder, p: ConcatParams, layer: str, sources: list[in
                    sram_stride=row_bytes, to_sram=False)
 
 
+def emit_pad(sb: StreamBuilder, p: PadParams, layer: str, sources: list[int], dst: int) -> None:
+    """Stripes of output rows: fill from a constant of pad values, drop the input rows in, store."""
+    (src,) = sources
+    _, height, width, channels = p.ifm_shape
+    top, left, bottom, right = p.padding
+    out_row, in_row = (width + left + right) * channels, width * channels
+    stripe = plan_pad(p, sb.config)
+    fill = sb.add_buffer(f"{layer}.fill", BufferKind.CONSTANT, (stripe * out_row,),
+                         data=np.full(stripe * out_row, p.pad_value, dtype=np.int8).tobytes())
+    total_rows = height + top + bottom
+    for r0 in range(0, total_rows, stripe):
+        r1 = min(total_rows, r0 + stripe)
+        sb.dma(layer, fill, 0, 0, (r1 - r0) * out_row)
+        first, last = max(r0, top), min(r1, top + height)  # output rows that hold input rows
+        if first < last:
+            sb.dma(layer, src, (first - top) * in_row, (first - r0) * out_row + left * channels, in_row,
+                   rows=last - first, dram_stride=in_row, sram_stride=out_row)
+        sb.dma(layer, dst, r0 * out_row, 0, (r1 - r0) * out_row, to_sram=False)
+
+
 LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
@@ -217,6 +238,7 @@ LOWERINGS = {
     NpuOp.TANH: emit_lut,
     NpuOp.REQUANTIZE: emit_lut,
     NpuOp.CONCAT: emit_concat,
+    NpuOp.PAD: emit_pad,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

@@ -11,8 +11,8 @@ import numpy as np
 from simulator import numerics
 
 from ..errors import QParamError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PoolParams,
-                      ReshapeParams)
+from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
+                      PoolParams, ReshapeParams)
 
 
 def conv_multipliers(p: ConvParams):
@@ -40,8 +40,8 @@ def mean_multiplier(p: MeanParams):
     return numerics.mean_multiplier(p.input_scale, p.output_scale, height * width, p.rounding)
 
 
-def no_multipliers(p: PoolParams | ReshapeParams | ConcatParams):
-    """Pooling, reshape and concat keep their inputs' qparams: nothing to rescale."""
+def no_multipliers(p: PoolParams | ReshapeParams | ConcatParams | PadParams):
+    """Pooling, reshape, concat and pad keep their inputs' qparams: nothing to rescale."""
     return ()
 
 
@@ -65,7 +65,7 @@ def lut_table(p: LutParams) -> np.ndarray:
 
 DERIVE = {ConvParams: conv_multipliers, AddParams: add_multipliers, MeanParams: mean_multiplier,
           PoolParams: no_multipliers, ReshapeParams: no_multipliers, LutParams: lut_table,
-          ConcatParams: no_multipliers}
+          ConcatParams: no_multipliers, PadParams: no_multipliers}
 
 
 def derive_multipliers(p: NpuParams):

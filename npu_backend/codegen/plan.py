@@ -22,8 +22,8 @@ from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PoolParams,
-                      ReshapeParams)
+from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
+                      PoolParams, ReshapeParams)
 
 SRAM_ALIGN = 16
 
@@ -207,8 +207,19 @@ def plan_concat(p: ConcatParams, config: NpuConfig) -> list[tuple[int, int, int]
     return plans
 
 
+def plan_pad(p: PadParams, config: NpuConfig) -> int:
+    """Output rows per stripe: a stripe is filled with the pad value, then the input rows land inside it."""
+    _, height, width, channels = p.ifm_shape
+    out_row = (width + p.padding[1] + p.padding[3]) * channels
+    rows = config.sram_bytes // out_row
+    if rows < 1:
+        raise UnsupportedOpError(f"a {out_row}-byte padded row does not fit the {config.sram_bytes}-byte SRAM")
+    return min(rows, height + p.padding[0] + p.padding[2])
+
+
 PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean, PoolParams: plan_layer,
-            ReshapeParams: plan_copy, LutParams: plan_lut, ConcatParams: plan_concat}
+            ReshapeParams: plan_copy, LutParams: plan_lut, ConcatParams: plan_concat,
+            PadParams: plan_pad}
 
 
 def plan(p: NpuParams, config: NpuConfig):

@@ -23,7 +23,7 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PoolParams,
+from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
                       ReshapeParams)
 
 BIAS_SCALE_RTOL = 1e-6
@@ -318,3 +318,20 @@ def extract_concat(annotations: Mapping[str, relax.Expr]) -> ConcatParams:
         extents.append(_shape(x)[axis])
     return ConcatParams(op=NpuOp.CONCAT, ofm_shape=ofm_shape, axis=axis, extents=tuple(extents),
                         output_scale=out_scale, output_zero_point=out_zp)
+
+
+def extract_pad(annotations: Mapping[str, relax.Expr]) -> PadParams:
+    x, pad = annotations["input"], annotations["anchor"]
+    if _dtype(x) != "int8":
+        raise UnsupportedOpError(f"pad of {_dtype(x)} data is not an int8 tensor move")
+    if str(pad.attrs.pad_mode) != "constant":
+        raise UnsupportedOpError(f"pad mode {pad.attrs.pad_mode} is not constant")
+    ifm_shape = _shape(x)
+    widths = [int(w) for w in pad.attrs.pad_width]
+    if len(ifm_shape) != 4 or ifm_shape[0] != 1 or any(widths[i] for i in (0, 1, 6, 7)):
+        raise UnsupportedOpError("only spatial padding of a batch-1 NHWC tensor is supported")
+    value = float(pad.attrs.pad_value)
+    if value != int(value) or not -128 <= value <= 127:
+        raise QParamError(f"pad value {value} is not an int8 value")
+    return PadParams(op=NpuOp.PAD, ifm_shape=ifm_shape, padding=(widths[2], widths[4], widths[3], widths[5]),
+                     pad_value=int(value))

@@ -21,7 +21,7 @@ from simulator.config import NpuConfig, get_config
 from ..errors import NpuError
 from ..params import NpuParams
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
-from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
+from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_pad, extract_conv2d, extract_depthwise_conv2d,
                       extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape,
                       extract_requantize, extract_sigmoid, extract_tanh)
 
@@ -137,6 +137,13 @@ def requantize_pattern(with_clip: bool):
     return quantize, dict(input=x, input_dq=input_dq, anchor=quantize, quantize=quantize)
 
 
+def pad_pattern(with_clip: bool):
+    """Constant padding of int8 data (TFLite PAD, the pad value being the zero point)."""
+    x = wildcard()
+    pad = is_op("relax.nn.pad")(x)
+    return pad, dict(input=x, anchor=pad)
+
+
 MAX_CONCAT_INPUTS = 6
 
 
@@ -182,6 +189,7 @@ OPERATORS = (
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.requantize", requantize_pattern, extract_requantize, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
+    PatternEntry(f"{PREFIX}.pad", pad_pattern, extract_pad, rules=(tiles_fit_sram,), clip_variant=False),
     *(PatternEntry(f"{PREFIX}.concat", concat_pattern(arity), extract_concat, rules=(tiles_fit_sram,),
                    clip_variant=False) for arity in range(2, MAX_CONCAT_INPUTS + 1)),
 )
