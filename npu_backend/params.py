@@ -61,6 +61,7 @@ class NpuOp(str, Enum):
     REQUANTIZE = "requantize"
     CONCAT = "concat"
     PAD = "pad"
+    LEAKY_RELU = "leaky_relu"
 
 
 @dataclass(frozen=True)
@@ -147,7 +148,7 @@ class ReshapeParams:
 
 @dataclass(frozen=True)
 class LutParams:
-    """An elementwise int8 -> int8 function run as a 256-entry table (sigmoid, tanh, requantize)."""
+    """An elementwise int8 -> int8 function run as a 256-entry table (sigmoid, tanh, leaky ReLU, requantize)."""
 
     op: NpuOp
     shape: tuple[int, ...]
@@ -155,6 +156,8 @@ class LutParams:
     input_zero_point: int
     output_scale: float
     output_zero_point: int
+    alpha: float = 0.0
+    """Negative slope (leaky ReLU only)."""
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,7 @@ RECORD_OF_OP = {
     NpuOp.REQUANTIZE: LutParams,
     NpuOp.CONCAT: ConcatParams,
     NpuOp.PAD: PadParams,
+    NpuOp.LEAKY_RELU: LutParams,
 }
 
 

@@ -56,7 +56,7 @@ class Spec:
 
     name: str
     kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" |
-    #            "tanh" | "pad"
+    #            "tanh" | "pad" | "leaky_relu"
     input_shape: tuple[int, ...] = (12, 12, 8)
     kernel: int = 3
     stride: int = 1
@@ -98,10 +98,11 @@ SPECS = [
     Spec("pad_1_2_3_0", "pad", (9, 7, 8), per_channel=False),
     Spec("logistic", "logistic", (8, 8, 16), per_channel=False, calibration_range=8.0),
     Spec("tanh", "tanh", (8, 8, 16), per_channel=False, calibration_range=4.0),
+    Spec("leaky_relu_0.2", "leaky_relu", (8, 8, 16), per_channel=False, calibration_range=4.0),
 ]
 EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
                "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH",
-               "pad": "PAD"}
+               "pad": "PAD", "leaky_relu": "LEAKY_RELU"}
 ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh}
 POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
 
@@ -127,6 +128,8 @@ def describe(spec: Spec) -> str:
         return f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} {spec.padding.upper()} on {shape}"
     if spec.kind in ELEMENTWISE:
         return f"{spec.kind} on {shape}"
+    if spec.kind == "leaky_relu":
+        return f"leaky ReLU (negative slope 0.2) on {shape}"
     if spec.kind == "pad":
         return f"zero padding (top 1, bottom 2, left 3, right 0) on {shape}"
     bias = "bias" if spec.use_bias else "no bias"
@@ -151,6 +154,8 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
         layer = tf.keras.layers.Activation(ELEMENTWISE[spec.kind])
     elif spec.kind == "pad":
         layer = tf.keras.layers.ZeroPadding2D(((1, 2), (3, 0)))
+    elif spec.kind == "leaky_relu":
+        layer = tf.keras.layers.LeakyReLU(negative_slope=0.2)
     elif spec.kind == "conv2d":
         layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
     elif spec.kind == "depthwise_conv2d":

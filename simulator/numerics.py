@@ -292,3 +292,18 @@ def requantize_table(input_scale, input_zero_point, output_scale, output_zero_po
                                             rounding)
     values = np.arange(-128, 128, dtype=np.int64) - int(input_zero_point)
     return requantize(values, multiplier, shift, output_zero_point, -128, 127, rounding)
+
+
+def leaky_relu_table(input_scale, input_zero_point, output_scale, output_zero_point, alpha) -> np.ndarray:
+    """int8 LEAKY_RELU of every input -128..127, as reference_ops::QuantizeLeakyRelu computes it.
+
+    TFLite's Prepare forms both multipliers in float32 (``s_in * alpha / s_out``
+    and ``s_in / s_out``) before QuantizeMultiplier widens them to double.
+    """
+    s_in, s_out, a = np.float32(input_scale), np.float32(output_scale), np.float32(alpha)
+    alpha_m, alpha_s = quantize_multiplier(float(np.float32(np.float32(s_in * a) / s_out)))
+    ident_m, ident_s = quantize_multiplier(float(np.float32(s_in / s_out)))
+    values = np.arange(-128, 128, dtype=np.int64) - int(input_zero_point)
+    scaled = np.where(values >= 0, multiply_by_quantized_multiplier(values, ident_m, ident_s),
+                      multiply_by_quantized_multiplier(values, alpha_m, alpha_s))
+    return np.clip(scaled + int(output_zero_point), -128, 127).astype(np.int8)

@@ -36,7 +36,7 @@ def test_registry_order_puts_fused_activation_first():
                "npu.avg_pool2d"]
     n = len(clipped)
     assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh",
-                                                                                "npu.requantize", "npu.pad"] + ["npu.concat"] * 5
+                                                                                "npu.leaky_relu", "npu.requantize", "npu.pad"] + ["npu.concat"] * 5
     assert all("relax.clip" in str(e.pattern) for e in entries[:n])
     assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
 
@@ -355,3 +355,12 @@ def test_int8_spatial_pad_runs_on_the_npu_exactly():
     data = np.random.default_rng(0).integers(-128, 128, (1, 40, 200, 8), dtype=np.int8)
     want = np.pad(data, ((0, 0), (1, 2), (3, 0), (0, 0)), constant_values=-7)
     np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(data)).numpy(), want)
+
+
+def test_leaky_relu_carries_its_slope():
+    from relax_idioms import activation_module
+
+    mod = activation_module(lambda x: relax.op.nn.leakyrelu(x, 0.2), q_out=(0.03, -20))
+    (name, p), = composites(npu_backend.partition_for_npu(mod))
+    assert name == "npu.leaky_relu" and p.alpha == np.float32(0.2)
+    assert (p.output_scale, p.output_zero_point) == (np.float32(0.03), -20)

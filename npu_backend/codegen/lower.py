@@ -239,6 +239,7 @@ LOWERINGS = {
     NpuOp.REQUANTIZE: emit_lut,
     NpuOp.CONCAT: emit_concat,
     NpuOp.PAD: emit_pad,
+    NpuOp.LEAKY_RELU: emit_lut,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

@@ -56,6 +56,9 @@ def lut_table(p: LutParams) -> np.ndarray:
     """The 256-entry table; TFLite's int8 activations only exist for their fixed output qparams."""
     if p.op == NpuOp.REQUANTIZE:
         return numerics.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+    if p.op == NpuOp.LEAKY_RELU:
+        return numerics.leaky_relu_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point,
+                                         p.alpha)
     generate, (scale, zero_point), name = FIXED_OUTPUT_ACTIVATIONS[p.op]
     if (p.output_scale, p.output_zero_point) != (float(np.float32(scale)), zero_point):
         raise QParamError(f"int8 {name} needs output scale {scale:g} and zero point {zero_point}, "

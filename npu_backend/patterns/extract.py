@@ -335,3 +335,10 @@ def extract_pad(annotations: Mapping[str, relax.Expr]) -> PadParams:
         raise QParamError(f"pad value {value} is not an int8 value")
     return PadParams(op=NpuOp.PAD, ifm_shape=ifm_shape, padding=(widths[2], widths[4], widths[3], widths[5]),
                      pad_value=int(value))
+
+
+def extract_leaky_relu(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    return LutParams(op=NpuOp.LEAKY_RELU, shape=_shape(x), input_scale=in_scale, input_zero_point=in_zp,
+                     output_scale=out_scale, output_zero_point=out_zp,
+                     alpha=float(np.float32(annotations["anchor"].attrs.alpha)))

@@ -21,7 +21,7 @@ from simulator.config import NpuConfig, get_config
 from ..errors import NpuError
 from ..params import NpuParams
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
-from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_pad, extract_conv2d, extract_depthwise_conv2d,
+from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_leaky_relu, extract_pad, extract_conv2d, extract_depthwise_conv2d,
                       extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape,
                       extract_requantize, extract_sigmoid, extract_tanh)
 
@@ -187,6 +187,8 @@ OPERATORS = (
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.tanh", activation_pattern("relax.tanh"), extract_tanh, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
+    PatternEntry(f"{PREFIX}.leaky_relu", activation_pattern("relax.nn.leakyrelu"), extract_leaky_relu,
+                 rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.requantize", requantize_pattern, extract_requantize, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.pad", pad_pattern, extract_pad, rules=(tiles_fit_sram,), clip_variant=False),
