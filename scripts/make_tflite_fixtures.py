@@ -297,6 +297,38 @@ def check_network_outputs(name: str) -> None:
         raise SystemExit(f"{name}: outputs barely depend on the input; revisit the BatchNorm randomization")
 
 
+SWEEP_NAME = "activation_tables"
+SWEEP_RANGES = (0.3, 1.5, 3.0, 7.0, 12.0, 25.0, 60.0)
+
+
+def write_activation_sweep() -> None:
+    """LOGISTIC and TANH of every int8 input under BUILTIN_REF, for input scales across two decades.
+
+    An elementwise int8 op is exactly its 256-entry table, so this is an
+    exhaustive oracle for the NPU's look-up tables (tests/test_numerics.py).
+    """
+    rows = []
+    for kind, function in (("logistic", tf.nn.sigmoid), ("tanh", tf.nn.tanh)):
+        for calibration_range in SWEEP_RANGES:
+            tf.keras.backend.clear_session()
+            inputs = tf.keras.Input((256,), batch_size=1)
+            model = tf.keras.Model(inputs, tf.keras.layers.Activation(function)(inputs))
+            path = OUT / f"{SWEEP_NAME}.tflite"
+            path.write_bytes(convert(model, seed_of(f"{kind}{calibration_range}"), False, calibration_range))
+            interpreter = Interpreter(model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+            interpreter.allocate_tensors()
+            (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
+            interpreter.set_tensor(inp["index"], np.arange(-128, 128, dtype=np.int8)[None])
+            interpreter.invoke()
+            rows.append((kind, inp["quantization"], interpreter.get_tensor(out["index"])[0].copy()))
+            path.unlink()
+    np.savez_compressed(OUT / f"{SWEEP_NAME}.npz", kind=np.array([k for k, _, _ in rows]),
+                        input_scale=np.array([q[0] for _, q, _ in rows], np.float32),
+                        input_zero_point=np.array([q[1] for _, q, _ in rows], np.int32),
+                        table=np.stack([t for _, _, t in rows]))
+    print(f"{SWEEP_NAME}: {len(rows)} tables of 256 entries")
+
+
 def remove_stale(keep: set[str]) -> None:
     """Delete fixtures of models that are no longer generated, so reruns leave exactly this script's output."""
     for path in [*OUT.glob("*.tflite"), *OUT.glob("*.npz")]:
@@ -321,7 +353,8 @@ def main() -> None:
     tf.keras.utils.set_random_seed(seed_of(NETWORK_NAME))
     manifest.append(write(NETWORK_NAME, "network", NETWORK_DESCRIPTION, mobilenet_v2(seed_of(NETWORK_NAME)), True))
     check_network_outputs(NETWORK_NAME)
-    remove_stale({entry["name"] for entry in manifest})
+    write_activation_sweep()
+    remove_stale({entry["name"] for entry in manifest} | {SWEEP_NAME})
     (OUT / "MANIFEST.json").write_text(json.dumps({"models": manifest}, indent=1) + "\n")
 
 

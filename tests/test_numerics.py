@@ -92,3 +92,16 @@ def test_activation_tables_track_the_real_functions():
     assert np.max(np.abs(logistic_table(s_in, zp).astype(int) - sigmoid)) <= 1
     assert np.max(np.abs(tanh_table(s_in, zp).astype(int) - tanh)) <= 1
     assert logistic_table(s_in, zp)[zp + 128] == 0  # logistic(0) = 0.5 -> 128/256 - 128
+
+
+def test_activation_tables_equal_tflite_on_every_input_across_scales():
+    """Exhaustive oracle: BUILTIN_REF's LOGISTIC/TANH of all 256 inputs at 7 input scales each."""
+    from conftest import FIXTURES
+    from simulator.numerics import logistic_table, tanh_table
+
+    sweep = np.load(FIXTURES / "tflite" / "activation_tables.npz")
+    generators = {"logistic": logistic_table, "tanh": tanh_table}
+    assert len(sweep["kind"]) == 14
+    for kind, scale, zero_point, table in zip(sweep["kind"], sweep["input_scale"], sweep["input_zero_point"],
+                                              sweep["table"]):
+        np.testing.assert_array_equal(generators[str(kind)](float(scale), int(zero_point)), table)
