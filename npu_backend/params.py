@@ -62,6 +62,7 @@ class NpuOp(str, Enum):
     CONCAT = "concat"
     PAD = "pad"
     LEAKY_RELU = "leaky_relu"
+    HARD_SWISH = "hard_swish"
 
 
 @dataclass(frozen=True)
@@ -148,7 +149,8 @@ class ReshapeParams:
 
 @dataclass(frozen=True)
 class LutParams:
-    """An elementwise int8 -> int8 function run as a 256-entry table (sigmoid, tanh, leaky ReLU, requantize)."""
+    """An elementwise int8 -> int8 function run as a 256-entry table (sigmoid, tanh, hard swish, leaky ReLU,
+    requantize)."""
 
     op: NpuOp
     shape: tuple[int, ...]
@@ -203,6 +205,7 @@ RECORD_OF_OP = {
     NpuOp.CONCAT: ConcatParams,
     NpuOp.PAD: PadParams,
     NpuOp.LEAKY_RELU: LutParams,
+    NpuOp.HARD_SWISH: LutParams,
 }
 
 

@@ -56,7 +56,7 @@ class Spec:
 
     name: str
     kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" |
-    #            "tanh" | "pad" | "leaky_relu"
+    #            "tanh" | "pad" | "leaky_relu" | "hard_swish"
     input_shape: tuple[int, ...] = (12, 12, 8)
     kernel: int = 3
     stride: int = 1
@@ -99,11 +99,12 @@ SPECS = [
     Spec("logistic", "logistic", (8, 8, 16), per_channel=False, calibration_range=8.0),
     Spec("tanh", "tanh", (8, 8, 16), per_channel=False, calibration_range=4.0),
     Spec("leaky_relu_0.2", "leaky_relu", (8, 8, 16), per_channel=False, calibration_range=4.0),
+    Spec("hard_swish", "hard_swish", (8, 8, 16), per_channel=False, calibration_range=5.0),
 ]
 EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
                "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH",
-               "pad": "PAD", "leaky_relu": "LEAKY_RELU"}
-ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh}
+               "pad": "PAD", "leaky_relu": "LEAKY_RELU", "hard_swish": "HARD_SWISH"}
+ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh, "hard_swish": tf.keras.activations.hard_swish}
 POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
 
 NETWORK_NAME = "mobilenet_v2_035_96"
@@ -302,13 +303,14 @@ SWEEP_RANGES = (0.3, 1.5, 3.0, 7.0, 12.0, 25.0, 60.0)
 
 
 def write_activation_sweep() -> None:
-    """LOGISTIC and TANH of every int8 input under BUILTIN_REF, for input scales across two decades.
+    """LOGISTIC, TANH and HARD_SWISH of every int8 input under BUILTIN_REF, for input scales across two decades.
 
     An elementwise int8 op is exactly its 256-entry table, so this is an
     exhaustive oracle for the NPU's look-up tables (tests/test_numerics.py).
     """
     rows = []
-    for kind, function in (("logistic", tf.nn.sigmoid), ("tanh", tf.nn.tanh)):
+    for kind, function in (("logistic", tf.nn.sigmoid), ("tanh", tf.nn.tanh),
+                           ("hard_swish", tf.keras.activations.hard_swish)):
         for calibration_range in SWEEP_RANGES:
             tf.keras.backend.clear_session()
             inputs = tf.keras.Input((256,), batch_size=1)
@@ -320,12 +322,14 @@ def write_activation_sweep() -> None:
             (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
             interpreter.set_tensor(inp["index"], np.arange(-128, 128, dtype=np.int8)[None])
             interpreter.invoke()
-            rows.append((kind, inp["quantization"], interpreter.get_tensor(out["index"])[0].copy()))
+            rows.append((kind, inp["quantization"], out["quantization"], interpreter.get_tensor(out["index"])[0].copy()))
             path.unlink()
-    np.savez_compressed(OUT / f"{SWEEP_NAME}.npz", kind=np.array([k for k, _, _ in rows]),
-                        input_scale=np.array([q[0] for _, q, _ in rows], np.float32),
-                        input_zero_point=np.array([q[1] for _, q, _ in rows], np.int32),
-                        table=np.stack([t for _, _, t in rows]))
+    np.savez_compressed(OUT / f"{SWEEP_NAME}.npz", kind=np.array([k for k, _, _, _ in rows]),
+                        input_scale=np.array([q[0] for _, q, _, _ in rows], np.float32),
+                        input_zero_point=np.array([q[1] for _, q, _, _ in rows], np.int32),
+                        output_scale=np.array([q[0] for _, _, q, _ in rows], np.float32),
+                        output_zero_point=np.array([q[1] for _, _, q, _ in rows], np.int32),
+                        table=np.stack([t for _, _, _, t in rows]))
     print(f"{SWEEP_NAME}: {len(rows)} tables of 256 entries")
 
 

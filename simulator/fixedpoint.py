@@ -1,7 +1,7 @@
 """gemmlowp fixed-point arithmetic on scalar int32 raws, as TFLite's reference kernels use it.
 
 Only the compiler calls these (through :mod:`simulator.numerics`) to fill the
-256-entry look-up tables of int8 LOGISTIC and TANH: an elementwise int8
+256-entry look-up tables of int8 LOGISTIC, TANH and HARD_SWISH: an elementwise int8
 function is exactly its table, so evaluating TFLite's own fixed-point
 algorithm on every input makes the NPU's table look-up bit-exact with the
 reference interpreter. Names and constants follow gemmlowp's fixedpoint.h; a
@@ -121,3 +121,52 @@ def tanh(a: int, integer_bits: int) -> int:
         return 0
     magnitude = one_minus_x_over_one_plus_x_for_x_in_0_1(exp_on_negative_values(-abs(a), integer_bits + 1))
     return wrap32(-magnitude) if a < 0 else magnitude
+
+
+INT16_MIN, INT16_MAX = -(1 << 15), (1 << 15) - 1
+
+
+def _saturate16(x: int) -> int:
+    return min(max(x, INT16_MIN), INT16_MAX)
+
+
+def saturating_rounding_doubling_high_mul_16(a: int, b: int) -> int:
+    """gemmlowp's int16 SaturatingRoundingDoublingHighMul."""
+    if a == b == INT16_MIN:
+        return INT16_MAX
+    product = a * b
+    total = product + ((1 << 14) if product >= 0 else 1 - (1 << 14))
+    return total // (1 << 15) if total >= 0 else -((-total) // (1 << 15))
+
+
+def saturating_doubling_high_mul_16(a: int, b: int) -> int:
+    """TFLite hard_swish.h's non-rounding int16 variant (it cancels the rounding bias)."""
+    if a == b == INT16_MIN:
+        return INT16_MAX
+    product = a * b
+    return product // (1 << 15) if product >= 0 else -((-product) // (1 << 15))
+
+
+def downscale_multiplier_to_int16(multiplier: int) -> int:
+    """TFLite DownScaleInt32ToInt16Multiplier: round a Q31 multiplier to Q15."""
+    if multiplier >= INT32_MAX - (1 << 15):
+        return INT16_MAX
+    return (multiplier + (1 << 15)) >> 16
+
+
+def hard_swish(input_value: int, reluish_multiplier: int, reluish_exponent: int, output_multiplier: int,
+               output_exponent: int) -> int:
+    """reference_ops::HardSwish for one centred int8 input; returns the value before the output offset."""
+    hires = wrap32(input_value * (1 << 7))
+    preshift_output = saturating_rounding_doubling_high_mul_16(hires, output_multiplier)
+    reluish = hires
+    if reluish_exponent > 0:
+        reluish = _saturate16(reluish * (1 << (reluish_exponent - 1)))
+    reluish = saturating_rounding_doubling_high_mul_16(reluish, reluish_multiplier)
+    if reluish_exponent > 0:
+        reluish = _saturate16(reluish * 2)
+    if reluish_exponent < 0:
+        reluish = rounding_divide_by_pot(reluish, -reluish_exponent)
+    reluish = (reluish + (1 << 15)) >> 1
+    preshift = saturating_doubling_high_mul_16(reluish, preshift_output)
+    return rounding_divide_by_pot(preshift, -output_exponent)

@@ -307,3 +307,24 @@ def leaky_relu_table(input_scale, input_zero_point, output_scale, output_zero_po
     scaled = np.where(values >= 0, multiply_by_quantized_multiplier(values, ident_m, ident_s),
                       multiply_by_quantized_multiplier(values, alpha_m, alpha_s))
     return np.clip(scaled + int(output_zero_point), -128, 127).astype(np.int8)
+
+
+def hard_swish_table(input_scale, input_zero_point, output_scale, output_zero_point) -> np.ndarray:
+    """int8 HARD_SWISH of every input -128..127, as reference_ops::HardSwish computes it.
+
+    Prepare works in float32: the input on a "hires" scale s_in / 128, rescaled
+    to the output and to the "reluish" scale 3 / 32768, each multiplier then
+    quantized to Q31 and rounded down to Q15.
+    """
+    from . import fixedpoint
+
+    hires = np.float32(np.float32(1.0 / 128.0) * np.float32(input_scale))
+    output_m, output_e = quantize_multiplier(float(np.float32(hires / np.float32(output_scale))))
+    reluish_m, reluish_e = quantize_multiplier(float(np.float32(hires / np.float32(3.0 / 32768.0))))
+    if output_e > 0:
+        raise NumericsError("HARD_SWISH output scale is below the input scale / 128")
+    output_m16 = fixedpoint.downscale_multiplier_to_int16(output_m)
+    reluish_m16 = fixedpoint.downscale_multiplier_to_int16(reluish_m)
+    table = [fixedpoint.hard_swish(v - int(input_zero_point), reluish_m16, reluish_e, output_m16, output_e)
+             + int(output_zero_point) for v in range(-128, 128)]
+    return np.clip(np.array(table), -128, 127).astype(np.int8)

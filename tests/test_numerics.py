@@ -95,13 +95,24 @@ def test_activation_tables_track_the_real_functions():
 
 
 def test_activation_tables_equal_tflite_on_every_input_across_scales():
-    """Exhaustive oracle: BUILTIN_REF's LOGISTIC/TANH of all 256 inputs at 7 input scales each."""
+    """Exhaustive oracle: BUILTIN_REF's LOGISTIC/TANH/HARD_SWISH of all 256 inputs at 7 input scales each."""
     from conftest import FIXTURES
-    from simulator.numerics import logistic_table, tanh_table
+    from simulator.numerics import hard_swish_table, logistic_table, tanh_table
 
     sweep = np.load(FIXTURES / "tflite" / "activation_tables.npz")
-    generators = {"logistic": logistic_table, "tanh": tanh_table}
-    assert len(sweep["kind"]) == 14
-    for kind, scale, zero_point, table in zip(sweep["kind"], sweep["input_scale"], sweep["input_zero_point"],
-                                              sweep["table"]):
-        np.testing.assert_array_equal(generators[str(kind)](float(scale), int(zero_point)), table)
+    generators = {"logistic": lambda s, z, so, zo: logistic_table(s, z),
+                  "tanh": lambda s, z, so, zo: tanh_table(s, z), "hard_swish": hard_swish_table}
+    assert len(sweep["kind"]) == 21
+    for kind, s, z, so, zo, table in zip(sweep["kind"], sweep["input_scale"], sweep["input_zero_point"],
+                                         sweep["output_scale"], sweep["output_zero_point"], sweep["table"]):
+        np.testing.assert_array_equal(generators[str(kind)](float(s), int(z), float(so), int(zo)), table,
+                                      err_msg=f"{kind} at input scale {s}")
+
+
+def test_hard_swish_table_tracks_the_real_function():
+    from simulator.numerics import hard_swish_table
+
+    s_in, s_out, zo = 0.04, 0.02, -100
+    real = (np.arange(-128, 128)) * s_in
+    want = np.clip(np.round(real * np.clip(real + 3, 0, 6) / 6 / s_out) + zo, -128, 127)
+    assert np.max(np.abs(hard_swish_table(s_in, 0, s_out, zo).astype(int) - want)) <= 1

@@ -36,9 +36,11 @@ def test_registry_order_puts_fused_activation_first():
                "npu.avg_pool2d"]
     n = len(clipped)
     assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh",
-                                                                                "npu.leaky_relu", "npu.requantize", "npu.pad"] + ["npu.concat"] * 5
-    assert all("relax.clip" in str(e.pattern) for e in entries[:n])
-    assert not any("relax.clip" in str(e.pattern) for e in entries[n:])
+                                                                                "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
+                                                                                "npu.pad"] + ["npu.concat"] * 5
+    root_op = lambda e: str(e.pattern).split('name="', 1)[1].split('"', 1)[0]  # noqa: E731
+    assert {root_op(e) for e in entries[:n]} == {"relax.clip"}
+    assert "relax.clip" not in {root_op(e) for e in entries[n:]}
 
 
 def test_conv2d_per_channel_with_relu_clip():
@@ -364,3 +366,30 @@ def test_leaky_relu_carries_its_slope():
     (name, p), = composites(npu_backend.partition_for_npu(mod))
     assert name == "npu.leaky_relu" and p.alpha == np.float32(0.2)
     assert (p.output_scale, p.output_zero_point) == (np.float32(0.03), -20)
+
+
+def _hard_swish_module(three=3.0):
+    from relax_idioms import f32, i32
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 4, 8), "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dq = bb.emit(relax.op.dequantize(x, f32(0.04), i32(0), axis=0))
+            relu6 = bb.emit(relax.op.clip(bb.emit(relax.op.add(dq, relax.const(np.float32(three)))), 0.0, 6.0))
+            hs = bb.emit(relax.op.divide(bb.emit(relax.op.multiply(dq, relu6)), relax.const(np.float32(6.0))))
+            gv = bb.emit_output(relax.op.quantize(hs, f32(0.02), i32(-100), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_hard_swish_idiom_becomes_a_table():
+    (name, p), = composites(npu_backend.partition_for_npu(_hard_swish_module()))
+    assert name == "npu.hard_swish" and (p.output_scale, p.output_zero_point) == (np.float32(0.02), -100)
+
+
+def test_something_else_shaped_like_hard_swish_stays_on_host():
+    mod = npu_backend.partition_for_npu(_hard_swish_module(three=2.5))
+    assert composites(mod) == []
+    div = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.divide")
+    assert "not x * relu6(x + 3) / 6" in div.reason

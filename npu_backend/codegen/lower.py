@@ -240,6 +240,7 @@ LOWERINGS = {
     NpuOp.CONCAT: emit_concat,
     NpuOp.PAD: emit_pad,
     NpuOp.LEAKY_RELU: emit_lut,
+    NpuOp.HARD_SWISH: emit_lut,
 }
 """How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
 

@@ -56,6 +56,8 @@ def lut_table(p: LutParams) -> np.ndarray:
     """The 256-entry table; TFLite's int8 activations only exist for their fixed output qparams."""
     if p.op == NpuOp.REQUANTIZE:
         return numerics.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+    if p.op == NpuOp.HARD_SWISH:
+        return numerics.hard_swish_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op == NpuOp.LEAKY_RELU:
         return numerics.leaky_relu_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point,
                                          p.alpha)

@@ -342,3 +342,14 @@ def extract_leaky_relu(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return LutParams(op=NpuOp.LEAKY_RELU, shape=_shape(x), input_scale=in_scale, input_zero_point=in_zp,
                      output_scale=out_scale, output_zero_point=out_zp,
                      alpha=float(np.float32(annotations["anchor"].attrs.alpha)))
+
+
+def extract_hard_swish(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    """x * clip(x + 3, 0, 6) / 6, as TVM's importer spells HARD_SWISH; the constants must be those."""
+    three = _const(annotations["plus"].args[1], "hard swish offset")
+    six = _const(annotations["anchor"].args[1], "hard swish divisor")
+    low, high = (float(getattr(a.value, "value", a.value)) for a in annotations["relu6"].args[1:3])
+    if three.size != 1 or six.size != 1 or (float(three.reshape(-1)[0]), float(six.reshape(-1)[0]), low, high) != (
+            3.0, 6.0, 0.0, 6.0):
+        raise UnsupportedOpError("not x * relu6(x + 3) / 6")
+    return _activation(annotations, NpuOp.HARD_SWISH)

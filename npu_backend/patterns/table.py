@@ -21,7 +21,8 @@ from simulator.config import NpuConfig, get_config
 from ..errors import NpuError
 from ..params import NpuParams
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
-from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_leaky_relu, extract_pad, extract_conv2d, extract_depthwise_conv2d,
+from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_hard_swish, extract_leaky_relu,
+                      extract_pad, extract_conv2d, extract_depthwise_conv2d,
                       extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape,
                       extract_requantize, extract_sigmoid, extract_tanh)
 
@@ -130,6 +131,16 @@ def activation_pattern(op_name: str):
     return build
 
 
+def hard_swish_pattern(with_clip: bool):
+    """quantize(x * clip(x + 3, 0, 6) / 6) of x = dequantize(...): TVM's spelling of int8 HARD_SWISH."""
+    x, input_dq = _dequantized_input()
+    plus = is_op("relax.add")(input_dq, is_const())
+    relu6 = is_op("relax.clip")(plus, wildcard(), wildcard())
+    scaled = is_op("relax.divide")(is_op("relax.multiply")(input_dq, relu6), is_const())
+    quantize = is_op("relax.quantize")(scaled, is_const(), is_const())
+    return quantize, dict(input=x, input_dq=input_dq, plus=plus, relu6=relu6, anchor=scaled, quantize=quantize)
+
+
 def requantize_pattern(with_clip: bool):
     """quantize(dequantize(x)) of int8 x: a standalone requantization (TFLite QUANTIZE int8 -> int8)."""
     x, input_dq = _dequantized_input()
@@ -186,6 +197,8 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.sigmoid", activation_pattern("relax.sigmoid"), extract_sigmoid, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.tanh", activation_pattern("relax.tanh"), extract_tanh, rules=ELEMENTWISE_RULES,
+                 clip_variant=False),
+    PatternEntry(f"{PREFIX}.hard_swish", hard_swish_pattern, extract_hard_swish, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.leaky_relu", activation_pattern("relax.nn.leakyrelu"), extract_leaky_relu,
                  rules=ELEMENTWISE_RULES, clip_variant=False),
