@@ -237,7 +237,7 @@ def extract_mean(annotations: Mapping[str, relax.Expr]) -> MeanParams:
     ifm_shape = _shape(x)
     axes = sorted(int(a) % len(ifm_shape) for a in mean.attrs.axis) if mean.attrs.axis is not None else None
     if len(ifm_shape) != 4 or ifm_shape[0] != 1 or axes != [1, 2]:
-        raise UnsupportedOpError(f"only the spatial mean (axes 1, 2) of a batch-1 NHWC tensor is supported")
+        raise UnsupportedOpError("only the spatial mean (axes 1, 2) of a batch-1 NHWC tensor is supported")
     return MeanParams(op=NpuOp.MEAN, ifm_shape=ifm_shape, ofm_shape=_shape(mean), input_scale=in_scale,
                       input_zero_point=in_zp, output_scale=out_scale, output_zero_point=out_zp)
 
