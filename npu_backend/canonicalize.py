@@ -15,9 +15,20 @@ Rewritten idioms:
   scale is recovered as ``s_acc / s_in`` (seed 003: the composite must carry both,
   not only their product). When ``s_in`` cannot be inferred the idiom is left
   alone and stays on the host.
+* concatenation of inputs whose qparams differ from the output's:
+  ``quantize(concat(dequantize(x_i, s_i, z_i)...), s, z)``. Each such input gets
+  its own requantize, ``dequantize(quantize(dequantize(x_i, s_i, z_i), s, z), s, z)``,
+  which is exactly what the float graph computes per element; the concat then
+  only moves bytes (TFLite's int8 rule) and each requantize is a table look-up.
+* the integer mean ``astype(x, "int32") -> mean -> dequantize(s_in, z_in) -> quantize``
+  (the old ``cast -> mean -> qnn.requantize``) becomes
+  ``quantize(mean(dequantize(x, s_in, z_in)))``: the real-valued mean TFLite's MEAN
+  computes, instead of an int32 mean that truncates before requantizing.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
@@ -27,7 +38,7 @@ from tvm.relax.dpl.pattern import is_const, is_op, wildcard
 from tvm.relax.dpl.rewrite import rewrite_call
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
-from .qparams import TensorQParams, infer_qparams
+from .qparams import TensorQParams, infer_qparams, per_tensor_qparams
 
 
 def _const_array(expr) -> np.ndarray | None:
@@ -59,13 +70,15 @@ def _i32(values) -> relax.Expr:
     return relax.const(np.asarray(values, dtype=np.int32))
 
 
-def _rewrite_integer_conv(known: dict, var_of_value: dict, names: dict):
+def _rewrite_integer_conv(graph: "_GraphFacts"):
+    """The integer-domain convolution (see the module docstring)."""
+    root, names = _integer_conv_pattern()
+
     def rewriter(orig, matched):
         get = lambda name: matched.get(names[name])  # noqa: E731
         # The matcher sees through bindings: x may be the producer's value; refer to its variable.
-        x, conv = get("x"), get("conv")
-        x = var_of_value.get(x, x)
-        qp: TensorQParams | None = known.get(x)
+        x, conv = graph.var(get("x")), get("conv")
+        qp: TensorQParams | None = graph.known.get(x)
         weights = _const_array(get("weight"))
         acc_scale, acc_zp = _const_array(get("acc_scale")), _const_array(get("acc_zp"))
         input_zp = _const_array(get("input_zp")) if get("centred") is not None else np.zeros(1)
@@ -88,10 +101,85 @@ def _rewrite_integer_conv(known: dict, var_of_value: dict, names: dict):
             bias = _const_array(get("bias")).reshape(-1)
             bias_scale = np.float32(qp.scale) * weight_scales
             out = relax.op.add(out, relax.op.dequantize(_i32(bias), _f32(bias_scale), _i32(0), axis=0))
-        return relax.op.quantize(out, orig.args[1], orig.args[2], axis=int(orig.attrs.axis),
-                                 out_dtype=str(orig.attrs.out_dtype))
+        return _requantized_like(orig, out)
 
-    return rewriter
+    return root, rewriter
+
+
+def _requantized_like(orig: relax.Call, value: relax.Expr) -> relax.Expr:
+    """``value`` quantized with the qparams and dtype of the ``quantize`` call ``orig``."""
+    return relax.op.quantize(value, orig.args[1], orig.args[2], axis=int(orig.attrs.axis),
+                             out_dtype=str(orig.attrs.out_dtype))
+
+
+def _is_call(expr, op_name: str) -> bool:
+    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op_name
+
+
+def _rewrite_unequal_concat(graph: "_GraphFacts"):
+    """Concatenation whose inputs have other qparams than its output (see the module docstring)."""
+    concat = is_op("relax.concat")(wildcard())
+    root = is_op("relax.quantize")(concat, is_const(), is_const())
+
+    def rewriter(orig, matched):
+        call = matched[concat]
+        fields = graph.value(call.args[0])
+        out_qp = per_tensor_qparams(orig)
+        if out_qp is None or str(orig.attrs.out_dtype) != "int8" or not isinstance(fields, relax.Tuple):
+            return orig
+        requantized = []
+        for field in fields.fields:
+            value = graph.value(field)
+            if _is_call(value, "relax.dequantize") and per_tensor_qparams(value) not in (None, out_qp):
+                field = relax.op.dequantize(_requantized_like(orig, field), orig.args[1], orig.args[2], axis=0)
+            requantized.append(field)
+        if all(new.same_as(old) for new, old in zip(requantized, fields.fields)):
+            return orig
+        return _requantized_like(orig, relax.op.concat(relax.Tuple(requantized), axis=call.attrs.axis))
+
+    return root, rewriter
+
+
+def _rewrite_integer_mean(graph: "_GraphFacts"):
+    """``astype(int32) -> mean -> requantize`` (see the module docstring)."""
+    x = wildcard()
+    widened = is_op("relax.astype")(x)
+    mean = is_op("relax.mean")(widened)
+    dequantized = is_op("relax.dequantize")(mean, is_const(), is_const())
+    root = is_op("relax.quantize")(dequantized, is_const(), is_const())
+
+    def rewriter(orig, matched):
+        source, acc = graph.var(matched[x]), matched[dequantized]
+        if (str(source.ty.dtype) != "int8" or str(matched[widened].ty.dtype) != "int32"
+                or per_tensor_qparams(acc) is None):
+            return orig
+        attrs = matched[mean].attrs
+        real = relax.op.dequantize(source, acc.args[1], acc.args[2], axis=0)
+        return _requantized_like(orig, relax.op.mean(real, axis=attrs.axis, keepdims=bool(attrs.keepdims)))
+
+    return root, rewriter
+
+
+@dataclass(frozen=True)
+class _GraphFacts:
+    """What rewriters may ask of the function being canonicalized."""
+
+    known: dict
+    """int8 variable -> :class:`TensorQParams` from the dataflow analysis."""
+    var_of_value: dict
+    var2val: dict
+
+    def var(self, expr):
+        """The matcher sees through bindings; refer to a producer by its variable, not its value."""
+        return self.var_of_value.get(expr, expr)
+
+    def value(self, expr):
+        return self.var2val.get(expr, expr)
+
+
+REWRITES = (_rewrite_integer_conv, _rewrite_unequal_concat, _rewrite_integer_mean)
+"""Each builds (pattern, rewriter) for one idiom; applied in order."""
+
 
 
 @mutator
@@ -129,9 +217,10 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
     for gvar, func in mod.functions_items():
         if not isinstance(func, relax.Function) or (func.attrs is not None and "Codegen" in func.attrs):
             continue
-        known = infer_qparams(func)
-        var_of_value = {value: var for var, value in relax.analysis.get_var2val(func).items()}
-        root, names = _integer_conv_pattern()
-        rewritten = rewrite_call(root, _rewrite_integer_conv(known, var_of_value, names), func)
+        rewritten = func
+        for make_rewrite in REWRITES:
+            var2val = relax.analysis.get_var2val(rewritten)
+            graph = _GraphFacts(infer_qparams(rewritten), {v: k for k, v in var2val.items()}, var2val)
+            rewritten = rewrite_call(*make_rewrite(graph), rewritten)
         out[gvar] = rewritten if rewritten.same_as(func) else _UniqueNames().visit_expr(rewritten)
     return out

@@ -29,7 +29,8 @@ class TensorQParams:
     zero_point: int
 
 
-def _per_tensor(call) -> TensorQParams | None:
+def per_tensor_qparams(call) -> TensorQParams | None:
+    """(scale, zero point) of a quantize/dequantize call with constant per-tensor qparams, else None."""
     scale, zero_point = call.args[1], call.args[2]
     if not (isinstance(scale, Constant) and isinstance(zero_point, Constant)):
         return None
@@ -62,9 +63,9 @@ def infer_qparams(func: relax.Function) -> dict[relax.Var, TensorQParams]:
         for var, call in bindings:
             op = call.op.name
             if op == "relax.quantize":
-                changed |= learn(var, _per_tensor(call))
+                changed |= learn(var, per_tensor_qparams(call))
             elif op == "relax.dequantize":
-                changed |= learn(call.args[0], _per_tensor(call))
+                changed |= learn(call.args[0], per_tensor_qparams(call))
             elif op in TRANSPARENT_OPS and call.args and _is_int8(call.args[0]):
                 changed |= learn(var, known.get(call.args[0]))
                 changed |= learn(call.args[0], known.get(var))

@@ -210,3 +210,20 @@ def activation_module(op=relax.op.sigmoid, shape=(1, 4, 4, 8), q_in=(0.05, 3), q
             gv = bb.emit_output(relax.op.quantize(act, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8"))
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def integer_mean_module(shape=(1, 5, 5, 16), q_in=(0.02, -7), q_out=(0.015, 3), keepdims=True):
+    """The old ``cast -> mean -> qnn.requantize``: an int32 mean, requantized as dequantize -> quantize.
+
+    Only the requantize states the input's qparams (scale ``q_in``, zero point ``q_in[1]``).
+    """
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            wide = bb.emit(relax.op.astype(x, "int32"))
+            m = bb.emit(relax.op.mean(wide, axis=[1, 2], keepdims=keepdims))
+            real = bb.emit(relax.op.dequantize(m, f32(q_in[0]), i32(q_in[1]), axis=0))
+            gv = bb.emit_output(relax.op.quantize(real, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()

@@ -8,7 +8,7 @@ from tvm import relax
 import npu_backend
 from npu_backend.canonicalize import canonicalize
 from npu_backend.qparams import TensorQParams, infer_qparams
-from relax_idioms import ConvIdiom, integer_conv_module
+from relax_idioms import ConvIdiom, integer_conv_module, integer_mean_module
 from test_patterns import composites
 
 
@@ -83,3 +83,35 @@ def test_canonicalize_leaves_the_input_module_untouched():
     text = mod.script()
     canonicalize(mod)
     assert mod.script() == text
+
+
+@pytest.mark.parametrize("keepdims", [True, False])
+def test_integer_mean_becomes_the_canonical_mean_and_matches_tflite(keepdims):
+    """astype(int32) -> mean -> requantize: TVM would truncate the int32 mean before requantizing;
+    the canonical composite computes TFLite's MEAN (sum, one requantization) instead."""
+    import reference_kernels as ref
+
+    mod = npu_backend.partition_for_npu(integer_mean_module(keepdims=keepdims))
+    (name, p), = composites(mod)
+    assert name == "npu.mean"
+    assert (p.input_scale, p.input_zero_point) == (np.float32(0.02), -7)
+    assert (p.output_scale, p.output_zero_point) == (np.float32(0.015), 3)
+    assert p.ifm_shape == (1, 5, 5, 16) and not npu_backend.partition_report(mod).host_ops
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    x = np.random.default_rng(1).integers(-128, 128, (1, 5, 5, 16), dtype=np.int8)
+    want = np.array(ref.mean_hw(x[0].astype(int).tolist(), float(np.float32(0.02)), -7, float(np.float32(0.015)), 3))
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy().reshape(-1), want.reshape(-1))
+
+
+def test_integer_mean_of_a_non_int8_tensor_is_left_alone():
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 4, 8), "int16"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            m = bb.emit(relax.op.mean(relax.op.astype(x, "int32"), axis=[1, 2]))
+            real = bb.emit(relax.op.dequantize(m, relax.const(np.float32(0.1)), relax.const(np.int32(0)), axis=0))
+            gv = bb.emit_output(relax.op.quantize(real, relax.const(np.float32(0.1)), relax.const(np.int32(0)),
+                                                  axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    before = bb.get()
+    tvm.ir.assert_structural_equal(canonicalize(before), before)

@@ -333,11 +333,31 @@ def test_concat_of_equal_qparams(arity):
     assert (p.output_scale, p.output_zero_point) == (np.float32(0.05), 2)
 
 
-def test_concat_with_differing_qparams_stays_on_host():
-    mod = npu_backend.partition_for_npu(_concat_module([(0.05, 2), (0.07, 2)]))
-    assert composites(mod) == []
-    concat = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.concat")
-    assert "concat input 1 has qparams" in concat.reason and "requantize" in concat.reason
+def test_concat_with_differing_qparams_gets_a_requantize_per_input():
+    """The canonicalizer gives each input whose qparams differ from the output its own requantize;
+    the concat then only moves bytes, and the result equals per-input TFLite requantization."""
+    import reference_kernels as ref
+
+    qparams = [(0.05, 2), (0.07, -3), (0.02, 2)]
+    mod = npu_backend.partition_for_npu(_concat_module(qparams))
+    found = composites(mod)
+    assert sorted(name for name, _ in found) == ["npu.concat", "npu.requantize", "npu.requantize"]
+    requantized = sorted((p.input_scale, p.input_zero_point) for name, p in found if name == "npu.requantize")
+    assert requantized == sorted((float(np.float32(s)), z) for s, z in qparams[1:])
+    for name, p in found:
+        assert (p.output_scale, p.output_zero_point) == (np.float32(0.05), 2)
+    assert not npu_backend.partition_report(mod).host_ops
+
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    rng = np.random.default_rng(3)
+    xs = [rng.integers(-128, 128, (1, 4, 4, 2 + i), dtype=np.int8) for i in range(3)]
+    want = []
+    for x, (s, z) in zip(xs, qparams):
+        m, shift = ref.quantize_multiplier(float(np.float32(s)) / float(np.float32(0.05)))
+        want.append(np.vectorize(lambda v: min(max(ref.multiply_by_quantized_multiplier(int(v) - z, m, shift) + 2,
+                                                   -128), 127))(x) if (s, z) != (0.05, 2) else x)
+    got = vm["main"](*[tvm.runtime.tensor(x) for x in xs]).numpy()
+    np.testing.assert_array_equal(got, np.concatenate(want, axis=3).astype(np.int8))
 
 
 def test_int8_spatial_pad_runs_on_the_npu_exactly():
