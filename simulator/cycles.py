@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from .config import NpuConfig
-from .isa import (Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction,
+from .isa import (Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction, Softmax,
                   TableLookup)
 
 
@@ -63,8 +63,8 @@ def _fully_connected_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) 
     return _mac_cost(conv, config, macs, array)
 
 
-def _add_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:
-    """Elementwise unit: two input reads and one output write per element, output_lanes wide."""
+def _elementwise_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:
+    """Elementwise unit (ADD, SUB, MUL): two input reads and one output write per element, output_lanes wide."""
     return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
 
 
@@ -89,16 +89,31 @@ def _lut_cost(opcode: Opcode, op: TableLookup, config: NpuConfig) -> CommandCost
     return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
 
 
+SOFTMAX_RECIPROCAL_CYCLES = 8
+"""Latency of one row's reciprocal of the sum (normalise, three Newton-Raphson steps), not overlapped."""
+
+
+def _softmax_cost(opcode: Opcode, op: Softmax, config: NpuConfig) -> CommandCost:
+    """Three passes over each row, output_lanes channels per cycle: the maximum, exp and the running sum,
+    then the rescale by the reciprocal; between the last two the row waits for its reciprocal."""
+    rows = op.ifm.height * op.ifm.width
+    per_row = 3 * math.ceil(op.ifm.channels / config.output_lanes) + SOFTMAX_RECIPROCAL_CYCLES
+    return CommandCost(cycles=config.command_overhead_cycles + rows * per_row)
+
+
 COST_MODELS = {
     Opcode.DMA_COPY: _dma_cost,
     Opcode.CONV2D: _conv2d_cost,
     Opcode.DEPTHWISE_CONV2D: _depthwise_cost,
     Opcode.FULLY_CONNECTED: _fully_connected_cost,
-    Opcode.ADD: _add_cost,
+    Opcode.ADD: _elementwise_cost,
     Opcode.MEAN: _mean_cost,
     Opcode.MAX_POOL2D: _pool_cost,
     Opcode.AVG_POOL2D: _pool_cost,
     Opcode.LUT: _lut_cost,
+    Opcode.SUB: _elementwise_cost,
+    Opcode.MUL: _elementwise_cost,
+    Opcode.SOFTMAX: _softmax_cost,
 }
 
 

@@ -1,14 +1,21 @@
-"""gemmlowp fixed-point arithmetic on scalar int32 raws, as TFLite's reference kernels use it.
+"""gemmlowp fixed-point arithmetic, as TFLite's reference kernels use it.
 
-Only the compiler calls these (through :mod:`simulator.numerics`) to fill the
-256-entry look-up tables of int8 LOGISTIC, TANH and HARD_SWISH: an elementwise int8
-function is exactly its table, so evaluating TFLite's own fixed-point
-algorithm on every input makes the NPU's table look-up bit-exact with the
-reference interpreter. Names and constants follow gemmlowp's fixedpoint.h; a
-raw value with ``b`` integer bits represents ``raw / 2**(31 - b)``.
+Two users: the compiler (through :mod:`simulator.numerics`) fills the 256-entry
+look-up tables of int8 LOGISTIC, TANH and HARD_SWISH by evaluating TFLite's own
+fixed-point algorithm on every input, which makes the NPU's table look-up
+bit-exact with the reference interpreter; and the simulator's SOFTMAX kernel
+(``numerics.softmax``) runs exp, the reciprocal and the output rescale here.
+
+Names and constants follow gemmlowp's fixedpoint.h; a raw value with ``b``
+integer bits represents ``raw / 2**(31 - b)``. The scalar functions take and
+return Python ints; the ``*_array`` functions are their element-wise numpy
+forms on int64 arrays holding int32 values (one definition of the rounding,
+used by ``numerics.multiply_by_quantized_multiplier`` too).
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 INT32_MIN = -(1 << 31)
 INT32_MAX = (1 << 31) - 1
@@ -170,3 +177,34 @@ def hard_swish(input_value: int, reluish_multiplier: int, reluish_exponent: int,
     reluish = (reluish + (1 << 15)) >> 1
     preshift = saturating_doubling_high_mul_16(reluish, preshift_output)
     return rounding_divide_by_pot(preshift, -output_exponent)
+
+
+def saturating_rounding_doubling_high_mul_array(a, b) -> np.ndarray:
+    """Element-wise SaturatingRoundingDoublingHighMul: high word of 2ab, nudged to round half away from zero.
+
+    The only overflow, INT32_MIN * INT32_MIN, saturates to INT32_MAX.
+    """
+    a, b = np.broadcast_arrays(np.asarray(a, dtype=np.int64), np.asarray(b, dtype=np.int64))
+    product = a * b
+    total = product + np.where(product >= 0, np.int64(1 << 30), np.int64(1 - (1 << 30)))
+    high = np.where(total >= 0, total >> 31, -((-total) >> 31))  # C++ division truncates toward zero
+    return np.where((a == INT32_MIN) & (b == INT32_MIN), np.int64(INT32_MAX), high)
+
+
+def rounding_divide_by_pot_array(x, exponent) -> np.ndarray:
+    """Element-wise RoundingDivideByPOT: arithmetic shift right by 0..31, rounding half away from zero."""
+    x, exponent = np.broadcast_arrays(np.asarray(x, dtype=np.int64), np.asarray(exponent, dtype=np.int64))
+    mask = (np.int64(1) << exponent) - 1
+    threshold = (mask >> 1) + (x < 0)
+    return (x >> exponent) + ((x & mask) > threshold)
+
+
+def count_leading_zeros_32(x) -> np.ndarray:
+    """Element-wise ``__builtin_clz`` of positive values below 2**32 (TFLite's CountLeadingZeros)."""
+    value = np.asarray(x, dtype=np.int64).copy()
+    floor_log2 = np.zeros_like(value)
+    for bits in (16, 8, 4, 2, 1):
+        step = np.where(value >= (np.int64(1) << bits), bits, 0)
+        floor_log2 += step
+        value >>= step
+    return 31 - floor_log2

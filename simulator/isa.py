@@ -12,8 +12,10 @@ from enum import IntEnum
 
 from .numerics import Rounding
 
-FORMAT_VERSION = (1, 0)
-"""(major, minor) of the command-stream format; a reader accepts only its own major."""
+FORMAT_VERSION = (1, 1)
+"""(major, minor) of the command-stream format; a reader accepts only its own major.
+
+1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax)."""
 
 
 class Opcode(IntEnum):
@@ -28,6 +30,9 @@ class Opcode(IntEnum):
     MAX_POOL2D = 6
     AVG_POOL2D = 7
     LUT = 8
+    SUB = 9
+    MUL = 10
+    SOFTMAX = 11
 
 
 class BufferKind(IntEnum):
@@ -110,7 +115,12 @@ class Convolution:
 
 @dataclass(frozen=True)
 class Elementwise:
-    """Operands of a TFLite-style int8 ADD; see command_stream.fbs."""
+    """Operands of a TFLite-style int8 ADD, SUB or MUL; see command_stream.fbs.
+
+    ADD and SUB use every field; MUL multiplies the centred inputs and
+    requantizes with the output multiplier alone (the input multipliers,
+    shifts and ``left_shift`` must be 0).
+    """
 
     ifm: FeatureMap
     ifm2: FeatureMap
@@ -172,6 +182,18 @@ class TableLookup:
     table_address: int
 
 
+@dataclass(frozen=True)
+class Softmax:
+    """Softmax over the channels of every pixel (TFLite int8 SOFTMAX, reference kernel)."""
+
+    ifm: FeatureMap
+    ofm: FeatureMap
+    input_multiplier: int
+    input_left_shift: int
+    diff_min: int
+    output_zero_point: int = -128   # TFLite int8 softmax output is fixed at scale 1/256, zp -128
+
+
 LUT_ENTRIES = 256
 
 SCALE_BIAS_WORDS = 3
@@ -181,7 +203,7 @@ SCALE_BIAS_WORDS = 3
 @dataclass(frozen=True)
 class Command:
     opcode: Opcode
-    payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling | TableLookup
+    payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling | TableLookup | Softmax
     layer: str = ""
 
 
@@ -226,5 +248,8 @@ PAYLOAD_OF_OPCODE: dict[Opcode, type] = {
     Opcode.MAX_POOL2D: Pooling,
     Opcode.AVG_POOL2D: Pooling,
     Opcode.LUT: TableLookup,
+    Opcode.SUB: Elementwise,
+    Opcode.MUL: Elementwise,
+    Opcode.SOFTMAX: Softmax,
 }
 """The one table saying which payload each opcode carries (encoder, decoder, validator)."""

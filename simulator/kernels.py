@@ -20,8 +20,9 @@ import numpy as np
 from .config import NpuConfig
 from .errors import NpuError
 from .isa import (SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode,
-                  LUT_ENTRIES, Pooling, Reduction, TableLookup, weight_shape)
-from .numerics import Rounding, elementwise_add, requantize, requantize_float, wrap_signed
+                  LUT_ENTRIES, Pooling, Reduction, Softmax, TableLookup, weight_shape)
+from .numerics import (Rounding, elementwise_add, elementwise_mul, elementwise_sub, requantize, requantize_float,
+                       softmax, wrap_signed)
 
 
 @dataclass
@@ -116,13 +117,31 @@ def _write(state: MachineState, fmap: FeatureMap, values: np.ndarray) -> None:
     state.sram[fmap.address:fmap.address + fmap.size] = values.astype(np.int8).reshape(-1).view(np.uint8)
 
 
-def run_add(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
-    out = elementwise_add(_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
-                          op.input_zero_point, op.input2_zero_point, op.output_zero_point,
-                          op.input_multiplier, op.input_shift, op.input2_multiplier, op.input2_shift,
-                          op.output_multiplier, op.output_shift, op.left_shift, op.act_min, op.act_max,
-                          op.rounding)
+RESCALED_BINARY = {Opcode.ADD: elementwise_add, Opcode.SUB: elementwise_sub}
+"""Elementwise opcodes that rescale both inputs to a common scale before combining them."""
+
+
+def run_add_sub(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
+    out = RESCALED_BINARY[opcode](_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
+                                  op.input_zero_point, op.input2_zero_point, op.output_zero_point,
+                                  op.input_multiplier, op.input_shift, op.input2_multiplier, op.input2_shift,
+                                  op.output_multiplier, op.output_shift, op.left_shift, op.act_min, op.act_max,
+                                  op.rounding)
     _write(state, op.ofm, out)
+
+
+def run_mul(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
+    out = elementwise_mul(_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
+                          op.input_zero_point, op.input2_zero_point, op.output_zero_point,
+                          op.output_multiplier, op.output_shift, op.act_min, op.act_max, op.rounding)
+    _write(state, op.ofm, out)
+
+
+def run_softmax(state: MachineState, opcode: Opcode, op: Softmax, config: NpuConfig) -> None:
+    """Every pixel's channels are one row of TFLite's softmax."""
+    rows = _fmap(state, op.ifm).reshape(-1, op.ifm.channels)
+    _write(state, op.ofm, softmax(rows, op.input_multiplier, op.input_left_shift, op.diff_min,
+                                  op.output_zero_point))
 
 
 def run_mean(state: MachineState, opcode: Opcode, op: Reduction, config: NpuConfig) -> None:
@@ -176,11 +195,14 @@ KERNELS = {
     Opcode.CONV2D: run_convolution,
     Opcode.DEPTHWISE_CONV2D: run_convolution,
     Opcode.FULLY_CONNECTED: run_convolution,
-    Opcode.ADD: run_add,
+    Opcode.ADD: run_add_sub,
     Opcode.MEAN: run_mean,
     Opcode.MAX_POOL2D: run_max_pool,
     Opcode.AVG_POOL2D: run_avg_pool,
     Opcode.LUT: run_lut,
+    Opcode.SUB: run_add_sub,
+    Opcode.MUL: run_mul,
+    Opcode.SOFTMAX: run_softmax,
 }
 
 

@@ -2,7 +2,10 @@
 
 This is the single definition of requantization used twice: the compiler calls
 the multiplier functions to precompute per-channel (multiplier, shift) pairs,
-and the simulator calls the requantize functions to execute them.
+and the simulator calls the requantize functions to execute them. The same
+holds for the elementwise ADD, SUB and MUL and for SOFTMAX (``softmax_params``
+for the compiler, ``softmax`` for the kernel, gemmlowp fixed point from
+:mod:`simulator.fixedpoint`).
 
 Conventions (those of tensorflow/lite/kernels/internal/common.h and
 quantization_util.cc):
@@ -27,11 +30,13 @@ multiplier at preparation time.
 
 from __future__ import annotations
 
+import functools
 import math
 from enum import IntEnum
 
 import numpy as np
 
+from . import fixedpoint
 from .errors import NumericsError
 
 INT32_MIN = -(1 << 31)
@@ -46,12 +51,8 @@ class Rounding(IntEnum):
     FLOAT64 = 2
 
 
-def quantize_multiplier(real_multiplier: float, rounding: Rounding = Rounding.TFLITE_DOUBLE):
-    """TFLite ``QuantizeMultiplier``: split a non-negative real into (multiplier, shift).
-
-    ``frexp`` gives q in [0.5, 1); q * 2**31 is rounded half away from zero
-    (``TfLiteRound``). Multipliers below about 2**-31 flush to zero as in TFLite.
-    """
+def _split_q31(real_multiplier: float) -> tuple[int, int]:
+    """The frexp split of ``QuantizeMultiplier`` with no limit on the exponent (shift < -31 flushes to 0)."""
     if not math.isfinite(real_multiplier) or real_multiplier < 0:
         raise NumericsError(f"requantization multiplier must be finite and >= 0, got {real_multiplier}")
     if real_multiplier == 0.0:
@@ -63,6 +64,16 @@ def quantize_multiplier(real_multiplier: float, rounding: Rounding = Rounding.TF
         shift += 1
     if shift < -31:
         return 0, 0
+    return q_fixed, shift
+
+
+def quantize_multiplier(real_multiplier: float, rounding: Rounding = Rounding.TFLITE_DOUBLE):
+    """TFLite ``QuantizeMultiplier``: split a non-negative real into (multiplier, shift).
+
+    ``frexp`` gives q in [0.5, 1); q * 2**31 is rounded half away from zero
+    (``TfLiteRound``). Multipliers below about 2**-31 flush to zero as in TFLite.
+    """
+    q_fixed, shift = _split_q31(real_multiplier)
     if rounding == Rounding.TFLITE_SINGLE and shift > 30:
         return INT32_MAX, 30
     if shift > 30:
@@ -105,21 +116,59 @@ ADD_LEFT_SHIFT = 20
 """Headroom bits TFLite's int8 ADD gives both inputs before rescaling (add.cc)."""
 
 
-def add_multipliers(input_scale, input2_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):
-    """(m1, s1, m2, s2, m_out, s_out) as TFLite's int8 ADD ``Prepare`` computes them.
+def _common_scale_multipliers(op: str, input_scale, input2_scale, output_scale, rounding):
+    """(m1, s1, m2, s2, m_out, s_out) of int8 ADD and SUB, whose ``Prepare`` functions compute them alike.
 
     Both inputs are brought to twice the larger input scale; the output
-    multiplier undoes that and the ``ADD_LEFT_SHIFT`` headroom.
+    multiplier undoes that and the ``ADD_LEFT_SHIFT`` headroom. TFLite forms
+    ``twice_max`` and ``(1 << 20) * s_out`` in float32 (both exact: powers of
+    two) and the three ratios in double. All three go through
+    ``QuantizeMultiplierSmallerThanOneExp`` in the kernels' output stage,
+    which cannot shift left: a multiplier that is, or rounds to, 1 or more is
+    refused here (TFLite aborts on it, or for SUB's output shifts by a
+    negative amount, which is undefined behaviour).
     """
     s1, s2, so = (float(np.float32(s)) for s in (input_scale, input2_scale, output_scale))
-    if min(s1, s2, so) <= 0:
-        raise NumericsError("ADD scales must be positive")
+    if not min(s1, s2, so) > 0 or not math.isfinite(max(s1, s2, so)):
+        raise NumericsError(f"{op} scales must be positive and finite")
     twice_max = 2.0 * max(s1, s2)
     reals = (s1 / twice_max, s2 / twice_max, twice_max / ((1 << ADD_LEFT_SHIFT) * so))
     if reals[2] >= 1.0:
-        raise NumericsError(f"ADD output multiplier {reals[2]:.3g} must be below 1 (output scale too small)")
+        raise NumericsError(f"{op} output multiplier {reals[2]:.3g} must be below 1 (output scale too small)")
     pairs = [quantize_multiplier(r, rounding) for r in reals]
+    if pairs[2][1] > 0:
+        raise NumericsError(f"{op} output multiplier {reals[2]!r} rounds up to 1 (output scale too small)")
     return tuple(v for pair in pairs for v in pair)
+
+
+def add_multipliers(input_scale, input2_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):
+    """(m1, s1, m2, s2, m_out, s_out) as TFLite's int8 ADD ``Prepare`` (add.cc) computes them."""
+    return _common_scale_multipliers("ADD", input_scale, input2_scale, output_scale, rounding)
+
+
+def sub_multipliers(input_scale, input2_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):
+    """(m1, s1, m2, s2, m_out, s_out) as TFLite's int8 SUB ``PrepareGeneralSubOp`` (sub.cc) computes them.
+
+    The same expressions as ADD's, same float/double mix and the same left
+    shift of 20; only an output multiplier above 1 differs (SUB's Prepare
+    accepts it, its kernel then cannot apply it), and both refuse it here.
+    """
+    return _common_scale_multipliers("SUB", input_scale, input2_scale, output_scale, rounding)
+
+
+def mul_multiplier(input_scale, input2_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):
+    """(multiplier, shift) of int8 MUL as TFLite's mul.cc ``Prepare`` computes them.
+
+    ``input1->params.scale * input2->params.scale / output->params.scale`` is
+    float32 arithmetic (the product and the quotient each rounded to float32)
+    before QuantizeMultiplier widens it to double; the shift may be positive.
+    """
+    s1, s2, so = (np.float32(s) for s in (input_scale, input2_scale, output_scale))
+    if not min(s1, s2, so) > 0 or not np.isfinite(max(s1, s2, so)):
+        raise NumericsError("MUL scales must be positive and finite")
+    with np.errstate(over="ignore", under="ignore"):
+        real = np.float32(np.float32(s1 * s2) / so)
+    return quantize_multiplier(float(real), rounding)
 
 
 def mean_multiplier(input_scale, output_scale, count: int, rounding=Rounding.TFLITE_DOUBLE):
@@ -154,11 +203,6 @@ def _check_multipliers(multiplier: np.ndarray, shift: np.ndarray) -> None:
         raise NumericsError(f"requantization shift {bad} is outside [-31, 30]")
 
 
-def _truncating_shift_right(values: np.ndarray, bits: int) -> np.ndarray:
-    """C++ integer division by 2**bits, which rounds toward zero."""
-    return np.where(values >= 0, values >> bits, -((-values) >> bits))
-
-
 def multiply_by_quantized_multiplier(acc, multiplier, shift, rounding=Rounding.TFLITE_DOUBLE):
     """TFLite ``MultiplyByQuantizedMultiplier`` on int32 accumulators, vectorized.
 
@@ -174,17 +218,8 @@ def multiply_by_quantized_multiplier(acc, multiplier, shift, rounding=Rounding.T
         return wrap_signed(result, 32)
     # x * (1 << left_shift) is an int32 product in TFLite; it wraps in practice.
     x = wrap_signed(x << np.maximum(s, 0), 32)
-    right = np.maximum(-s, 0)
-    # SaturatingRoundingDoublingHighMul: the only overflow is INT32_MIN * INT32_MIN.
-    product = x * m
-    nudge = np.where(product >= 0, np.int64(1 << 30), np.int64(1 - (1 << 30)))
-    high = _truncating_shift_right(product + nudge, 31)
-    high = np.where((x == INT32_MIN) & (m == INT32_MIN), INT32_MAX, high)
-    # RoundingDivideByPOT: round half away from zero.
-    mask = (np.int64(1) << right) - 1
-    remainder = high & mask
-    threshold = (mask >> 1) + (high < 0)
-    return (high >> right) + (remainder > threshold)
+    high = fixedpoint.saturating_rounding_doubling_high_mul_array(x, m)
+    return fixedpoint.rounding_divide_by_pot_array(high, np.maximum(-s, 0))
 
 
 def requantize(acc, multiplier, shift, output_zero_point, act_min, act_max,
@@ -197,14 +232,38 @@ def requantize(acc, multiplier, shift, output_zero_point, act_min, act_max,
     return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(out_dtype)
 
 
-def elementwise_add(x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min, act_max,
-                    rounding=Rounding.TFLITE_DOUBLE):
-    """TFLite reference int8 ``AddElementwise`` on whole arrays."""
+def _rescale_and_combine(sign: int, x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min,
+                         act_max, rounding):
+    """ADD (sign +1) and SUB (sign -1): both inputs shifted left and rescaled, combined in int32, requantized."""
     a = wrap_signed((np.asarray(x1, np.int64) - zp1) << left_shift, 32)
     b = wrap_signed((np.asarray(x2, np.int64) - zp2) << left_shift, 32)
     total = wrap_signed(multiply_by_quantized_multiplier(a, m1, s1, rounding)
-                        + multiply_by_quantized_multiplier(b, m2, s2, rounding), 32)
+                        + sign * multiply_by_quantized_multiplier(b, m2, s2, rounding), 32)
     return requantize(total, m_out, s_out, zp_out, act_min, act_max, rounding)
+
+
+def elementwise_add(x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min, act_max,
+                    rounding=Rounding.TFLITE_DOUBLE):
+    """TFLite reference int8 ``AddElementwise`` on whole arrays."""
+    return _rescale_and_combine(1, x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min,
+                                act_max, rounding)
+
+
+def elementwise_sub(x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min, act_max,
+                    rounding=Rounding.TFLITE_DOUBLE):
+    """TFLite reference int8 ``SubElementwise`` (reference/sub.h) on whole arrays: ``raw_sub = scaled1 - scaled2``."""
+    return _rescale_and_combine(-1, x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min,
+                                act_max, rounding)
+
+
+def elementwise_mul(x1, x2, zp1, zp2, zp_out, multiplier, shift, act_min, act_max, rounding=Rounding.TFLITE_DOUBLE):
+    """TFLite reference int8 ``MulElementwise`` (reference/integer_ops/mul.h) on whole arrays.
+
+    ``clamp(zp_out + MultiplyByQuantizedMultiplier((x1 - zp1) * (x2 - zp2)))``;
+    the product of two centred int8 values is below 2**16 and never wraps.
+    """
+    product = (np.asarray(x1, np.int64) - zp1) * (np.asarray(x2, np.int64) - zp2)
+    return requantize(product, multiplier, shift, zp_out, act_min, act_max, rounding)
 
 
 def float_scales(input_scale, weight_scales, output_scale) -> np.ndarray:
@@ -243,8 +302,6 @@ def _lut_input_rescale(input_scale: float):
 
 
 def _activation_table(input_scale, input_zero_point, function, output_shift: int, output_offset: int):
-    from . import fixedpoint
-
     multiplier, shift, radius = _lut_input_rescale(input_scale)
     table = np.empty(256, dtype=np.int8)
     for index, value in enumerate(range(-128, 128)):
@@ -266,8 +323,6 @@ def logistic_table(input_scale, input_zero_point) -> np.ndarray:
 
     TFLite fixes the output qparams at scale 1/256, zero point -128.
     """
-    from . import fixedpoint
-
     return _activation_table(input_scale, input_zero_point, fixedpoint.logistic, 31 - 8, -128)
 
 
@@ -276,8 +331,6 @@ def tanh_table(input_scale, input_zero_point) -> np.ndarray:
 
     TFLite fixes the output qparams at scale 1/128, zero point 0.
     """
-    from . import fixedpoint
-
     return _activation_table(input_scale, input_zero_point, fixedpoint.tanh, 31 - 7, 0)
 
 
@@ -316,8 +369,6 @@ def hard_swish_table(input_scale, input_zero_point, output_scale, output_zero_po
     to the output and to the "reluish" scale 3 / 32768, each multiplier then
     quantized to Q31 and rounded down to Q15.
     """
-    from . import fixedpoint
-
     hires = np.float32(np.float32(1.0 / 128.0) * np.float32(input_scale))
     output_m, output_e = quantize_multiplier(float(np.float32(hires / np.float32(output_scale))))
     reluish_m, reluish_e = quantize_multiplier(float(np.float32(hires / np.float32(3.0 / 32768.0))))
@@ -328,3 +379,111 @@ def hard_swish_table(input_scale, input_zero_point, output_scale, output_zero_po
     table = [fixedpoint.hard_swish(v - int(input_zero_point), reluish_m16, reluish_e, output_m16, output_e)
              + int(output_zero_point) for v in range(-128, 128)]
     return np.clip(np.array(table), -128, 127).astype(np.int8)
+
+
+SOFTMAX_DIFF_INTEGER_BITS = 5
+"""Integer bits of the rescaled input differences fed to exp (softmax.h, kScaledDiffIntegerBits: Q5.26)."""
+SOFTMAX_ACCUMULATION_INTEGER_BITS = 12
+"""Integer bits of the sum of exponentials (softmax.h, kAccumulationIntegerBits: Q12.19)."""
+_SOFTMAX_MAX_SUM = 1 << (31 - SOFTMAX_ACCUMULATION_INTEGER_BITS + 9)
+"""Raw Q12.19 sum of 512: from there the output shift exceeds 31 and TFLite's kernel aborts."""
+
+
+def softmax_params(input_scale, beta=1.0) -> tuple[int, int, int]:
+    """(input_multiplier, input_left_shift, diff_min) as TFLite's SoftmaxPrepare computes them for int8 (kReference).
+
+    ``PreprocessSoftmaxScaling``: the real multiplier ``beta * s_in * 2**26`` (in
+    double, from the float32 beta and scale) is capped at ``2**31 - 1`` and
+    split by ``QuantizeMultiplierGreaterThanOne`` (double-rounding build: the
+    left shift reaches 31 for large scales, where only the row maximum keeps a
+    non-zero exponential). ``diff_min = -floor(31 * 2**26 / 2**left_shift)``
+    (``CalculateInputRadius(5, left_shift, 31)``): input differences below it
+    are left out of the sum and output as zero probability.
+
+    TFLite aborts the process (``TFLITE_CHECK_GT(multiplier, 1.)``) when
+    ``beta * s_in * 2**26 <= 1``, i.e. input scales at or below ``2**-26 / beta``;
+    that raises ``NumericsError`` here.
+    """
+    s_in, b = float(np.float32(input_scale)), float(np.float32(beta))
+    if not (math.isfinite(s_in) and s_in > 0 and math.isfinite(b) and b > 0):
+        raise NumericsError(f"SOFTMAX input scale and beta must be positive and finite, got {input_scale}, {beta}")
+    real = min(b * s_in * (1 << (31 - SOFTMAX_DIFF_INTEGER_BITS)), (1 << 31) - 1.0)
+    if not real > 1.0:
+        raise NumericsError(f"SOFTMAX input scale {s_in:g} times beta {b:g} is at most 2**-26: TFLite's "
+                            f"PreprocessSoftmaxScaling aborts (its input multiplier must exceed 1)")
+    multiplier, left_shift = _split_q31(real)
+    radius = ((1 << SOFTMAX_DIFF_INTEGER_BITS) - 1) * (1 << (31 - SOFTMAX_DIFF_INTEGER_BITS)) / (1 << left_shift)
+    return multiplier, left_shift, -int(math.floor(radius))
+
+
+@functools.lru_cache(maxsize=64)
+def _softmax_exponentials(input_multiplier: int, input_left_shift: int, diff_min: int) -> np.ndarray:
+    """Q0 exp of every int8 row difference -255..0 (index diff + 255), 0 where the difference is below diff_min.
+
+    Per element of reference_ops::Softmax: ``MultiplyByQuantizedMultiplierGreaterThanOne``
+    (``x * (1 << left_shift)`` wraps as an int32 product, then the rounding
+    doubling high multiply) gives a Q5.26 value for gemmlowp's exp_on_negative_values.
+    """
+    table = np.zeros(256, dtype=np.int64)
+    for diff in range(max(diff_min, -255), 1):
+        rescaled = fixedpoint.saturating_rounding_doubling_high_mul(
+            fixedpoint.wrap32(diff << input_left_shift), input_multiplier)
+        table[diff + 255] = fixedpoint.exp_on_negative_values(rescaled, SOFTMAX_DIFF_INTEGER_BITS)
+    table.flags.writeable = False
+    return table
+
+
+def softmax(x, input_multiplier: int, input_left_shift: int, diff_min: int, output_zero_point: int = -128):
+    """int8 softmax of every row of ``x`` [rows, depth], bit-exact with reference_ops::Softmax (int8 in and out).
+
+    Per row: the maximum; exp (Q0) of each difference to it that is at least
+    ``diff_min``; their sum rescaled to Q12.19 (``Rescale<12>``, a rounding
+    shift) and added in int32; ``GetReciprocal`` of the sum (normalised to
+    [1, 2), gemmlowp's Newton-Raphson ``one_over_one_plus_x_for_x_in_0_1``,
+    ``num_bits_over_unit`` integer bits above 1); each probability is the
+    rounding doubling high product of reciprocal and exp, divided by
+    ``2**(num_bits_over_unit + 23)`` rounding half away from zero, plus the
+    output zero point (TFLite: -128, the int8 minimum) and saturated to int8.
+    Left-out differences output the zero point. Parameters come from
+    :func:`softmax_params`; this is the double-rounding build. Parameters
+    whose shifted differences would overflow int32 raise ``NumericsError``.
+
+    TFLite's kernel aborts when a row's sum of exponentials reaches 512 (only
+    possible with 512 or more channels), the output shift then exceeding 31:
+    that raises ``NumericsError``.
+    """
+    rows = np.asarray(x)
+    if rows.ndim != 2 or rows.shape[1] < 1:
+        raise NumericsError(f"softmax takes [rows, depth] with depth >= 1, got shape {rows.shape}")
+    rows = rows.astype(np.int64)
+    if rows.size and (rows.min() < -128 or rows.max() > 127):
+        raise NumericsError("softmax input is outside int8")
+    if not 0 <= input_multiplier <= INT32_MAX or not 0 <= input_left_shift <= 31 or diff_min > 0:
+        raise NumericsError(f"softmax parameters out of range: multiplier {input_multiplier}, left shift "
+                            f"{input_left_shift}, diff_min {diff_min} (need diff_min <= 0)")
+    if not -128 <= output_zero_point <= 127:
+        raise NumericsError(f"softmax output zero point {output_zero_point} is outside int8")
+    if min(-diff_min, 255) << input_left_shift > 1 << 31:
+        raise NumericsError(f"softmax diff_min {diff_min} with left shift {input_left_shift} overflows int32 "
+                            f"(softmax_params keeps -diff_min << left_shift within 31 * 2**26)")
+    if rows.size == 0:
+        return np.zeros(rows.shape, dtype=np.int8)
+    diff = rows - rows.max(axis=1, keepdims=True)
+    included = diff >= diff_min
+    exps = _softmax_exponentials(int(input_multiplier), int(input_left_shift), int(diff_min))[diff + 255]
+    # Rescale<12>: Q0 to Q12.19 is a rounding shift right by 12 bits; the int32 sum cannot wrap below 512.
+    sums = np.where(included, fixedpoint.rounding_divide_by_pot_array(exps, SOFTMAX_ACCUMULATION_INTEGER_BITS),
+                    0).sum(axis=1)
+    if np.any(sums >= _SOFTMAX_MAX_SUM):
+        raise NumericsError("a SOFTMAX row's sum of exponentials reaches 512 (output shift above 31): "
+                            "TFLite's reference kernel aborts on it")
+    headroom_plus_one = fixedpoint.count_leading_zeros_32(sums)
+    num_bits_over_unit = SOFTMAX_ACCUMULATION_INTEGER_BITS - headroom_plus_one
+    sum_minus_one = ((sums << headroom_plus_one) & 0xFFFFFFFF) - (1 << 31)  # the sum in [1, 2), less 1, as Q0
+    unique_sums, where = np.unique(sum_minus_one, return_inverse=True)
+    reciprocal = np.array([fixedpoint.one_over_one_plus_x_for_x_in_0_1(int(v)) for v in unique_sums],
+                          dtype=np.int64)[where.reshape(-1)]
+    probability = fixedpoint.rounding_divide_by_pot_array(
+        fixedpoint.saturating_rounding_doubling_high_mul_array(reciprocal[:, None], exps),
+        (num_bits_over_unit + 31 - 8)[:, None])
+    return np.clip(np.where(included, probability, 0) + int(output_zero_point), -128, 127).astype(np.int8)

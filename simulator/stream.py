@@ -22,11 +22,12 @@ from ._generated import Elementwise as fb_elementwise
 from ._generated import FeatureMap as fb_fmap
 from ._generated import Pooling as fb_pooling
 from ._generated import Reduction as fb_reduction
+from ._generated import Softmax as fb_softmax
 from ._generated import TableLookup as fb_lut
 from .errors import StreamError
 from .isa import (FORMAT_VERSION, PAYLOAD_OF_OPCODE, Buffer, BufferKind, Command, CommandStream,
                   Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode, Pooling,
-                  Reduction, TableLookup)
+                  Reduction, Softmax, TableLookup)
 from .numerics import Rounding
 
 FILE_IDENTIFIER = b"NPUC"
@@ -72,7 +73,8 @@ def _unflatten_conv(flat: dict[str, int], ifm: FeatureMap, ofm: FeatureMap) -> C
 FLAT_PAYLOADS = {Elementwise: ("elementwise", fb_elementwise, "Elementwise"),
                  Reduction: ("reduction", fb_reduction, "Reduction"),
                  Pooling: ("pooling", fb_pooling, "Pooling"),
-                 TableLookup: ("lut", fb_lut, "TableLookup")}
+                 TableLookup: ("lut", fb_lut, "TableLookup"),
+                 Softmax: ("softmax", fb_softmax, "Softmax")}
 """Payloads whose dataclass fields map one to one onto schema fields (feature maps nested)."""
 
 

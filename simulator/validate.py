@@ -11,10 +11,9 @@ import numpy as np
 
 from .config import NpuConfig
 from .errors import StreamError
-from .isa import (SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolution, DmaCopy,
-                  Elementwise, FeatureMap, LUT_ENTRIES, MemorySpace, Opcode, Pooling, Reduction, TableLookup,
-                  conv_output_size,
-                  weight_shape)
+from .isa import (PAYLOAD_OF_OPCODE, SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolution, DmaCopy,
+                  Elementwise, FeatureMap, LUT_ENTRIES, MemorySpace, Opcode, Pooling, Reduction, Softmax,
+                  TableLookup, conv_output_size, weight_shape)
 
 DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
 
@@ -138,7 +137,11 @@ def _check_regions(config: NpuConfig, where: str, reads: dict[str, FeatureMap], 
             raise StreamError(f"{where}: ofm overlaps {name} in SRAM")
 
 
-def _check_elementwise(config: NpuConfig, op: Elementwise, where: str) -> None:
+MUL_UNUSED_FIELDS = ("input_multiplier", "input_shift", "input2_multiplier", "input2_shift", "left_shift")
+"""Elementwise fields MUL has no use for: it rescales only the product, with the output multiplier."""
+
+
+def _check_elementwise(config: NpuConfig, opcode: Opcode, op: Elementwise, where: str) -> None:
     _check_regions(config, where, {"ifm": op.ifm, "ifm2": op.ifm2}, op.ofm)
     if not op.ifm.size == op.ifm2.size == op.ofm.size:
         raise StreamError(f"{where}: elementwise operands hold different element counts")
@@ -150,6 +153,10 @@ def _check_elementwise(config: NpuConfig, op: Elementwise, where: str) -> None:
         raise StreamError(f"{where}: left_shift {op.left_shift} outside 0..24")
     for name in ("input", "input2", "output"):
         _check_multiplier(where, name, getattr(op, f"{name}_multiplier"), getattr(op, f"{name}_shift"))
+    if opcode == Opcode.MUL:
+        used = [name for name in MUL_UNUSED_FIELDS if getattr(op, name) != 0]
+        if used:
+            raise StreamError(f"{where}: MUL rescales only the product; {', '.join(used)} must be 0")
 
 
 def _check_reduction(config: NpuConfig, op: Reduction, where: str) -> None:
@@ -189,19 +196,41 @@ def _check_lut(config: NpuConfig, op: TableLookup, where: str) -> None:
         raise StreamError(f"{where}: look-up ifm and ofm hold different element counts")
 
 
+def _check_softmax(config: NpuConfig, op: Softmax, where: str) -> None:
+    _check_regions(config, where, {"ifm": op.ifm}, op.ofm)
+    ifm, ofm = (op.ifm.height, op.ifm.width, op.ifm.channels), (op.ofm.height, op.ofm.width, op.ofm.channels)
+    if ofm != ifm:
+        raise StreamError(f"{where}: softmax ofm {'x'.join(map(str, ofm))} must have the ifm's shape "
+                          f"{'x'.join(map(str, ifm))}")
+    _check_int8(where, output_zero_point=op.output_zero_point)
+    if not 0 <= op.input_multiplier < (1 << 31) or not 0 <= op.input_left_shift <= 31:
+        raise StreamError(f"{where}: softmax input multiplier {op.input_multiplier} / left shift "
+                          f"{op.input_left_shift} out of range")
+    if op.diff_min > 0:
+        raise StreamError(f"{where}: softmax diff_min {op.diff_min} must be <= 0 (the row maximum always counts)")
+    if min(-op.diff_min, 255) << op.input_left_shift > 1 << 31:
+        raise StreamError(f"{where}: softmax diff_min {op.diff_min} shifted left by {op.input_left_shift} "
+                          f"overflows int32")
+
+
 def _check_command(stream: CommandStream, config: NpuConfig, index: int, command: Command) -> None:
     where = f"command {index} ({command.opcode.name})"
     payload = command.payload
+    if not isinstance(payload, PAYLOAD_OF_OPCODE[command.opcode]):
+        raise StreamError(f"{where}: payload is {type(payload).__name__}, expected "
+                          f"{PAYLOAD_OF_OPCODE[command.opcode].__name__}")
     if isinstance(payload, DmaCopy):
         _check_dma(stream, config, payload, where)
     elif isinstance(payload, Elementwise):
-        _check_elementwise(config, payload, where)
+        _check_elementwise(config, command.opcode, payload, where)
     elif isinstance(payload, Reduction):
         _check_reduction(config, payload, where)
     elif isinstance(payload, Pooling):
         _check_pooling(config, payload, where)
     elif isinstance(payload, TableLookup):
         _check_lut(config, payload, where)
+    elif isinstance(payload, Softmax):
+        _check_softmax(config, payload, where)
     else:
         _check_conv(config, command.opcode, payload, where)
 

@@ -165,3 +165,151 @@ def pool(x, kind, kernel, stride, padding, act=(-128, 127)):
                     value = int((acc + n // 2) / n) if acc > 0 else -int((n // 2 - acc) / n)
                 out[oy][ox][ch] = min(max(value, act[0]), act[1])
     return out
+
+
+def _float32(value: float) -> float:
+    """Round a double to the nearest float32 (what a C++ float expression stores)."""
+    import struct
+
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def _clamp(value: int, act) -> int:
+    return min(max(value, act[0]), act[1])
+
+
+def sub(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
+    """TFLite reference int8 SUB, element by element: ADD's preparation (sub.cc PrepareGeneralSubOp), then
+    ``raw_sub = scaled1 - scaled2`` (reference/sub.h SubElementwise). Scales are float32 values."""
+    left_shift = 20
+    twice_max = 2.0 * max(s1, s2)
+    m1, sh1 = quantize_multiplier(s1 / twice_max)
+    m2, sh2 = quantize_multiplier(s2 / twice_max)
+    mo, sho = quantize_multiplier(twice_max / ((1 << left_shift) * s_out))
+    out = []
+    for a, b in zip(x1, x2):
+        a_scaled = multiply_by_quantized_multiplier((a - zp1) * (1 << left_shift), m1, sh1)
+        b_scaled = multiply_by_quantized_multiplier((b - zp2) * (1 << left_shift), m2, sh2)
+        out.append(_clamp(multiply_by_quantized_multiplier(a_scaled - b_scaled, mo, sho) + zp_out, act))
+    return out
+
+
+def mul(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
+    """TFLite reference int8 MUL, element by element (reference/integer_ops/mul.h MulElementwise).
+
+    mul.cc forms ``s1 * s2 / s_out`` in float32: both operations rounded to float32.
+    """
+    mult, shift = quantize_multiplier(_float32(_float32(s1 * s2) / s_out))
+    return [_clamp(multiply_by_quantized_multiplier((a - zp1) * (b - zp2), mult, shift) + zp_out, act)
+            for a, b in zip(x1, x2)]
+
+
+# gemmlowp fixed point (fixedpoint.h), restated from its definitions: a raw int32 with b integer bits
+# stands for raw / 2**(31 - b); "+" wraps, "*" is the rounding doubling high multiply.
+
+def _exp_constant(value: float) -> int:
+    """A Q0 constant as gemmlowp's GEMMLOWP_CHECKED_FIXEDPOINT_CONSTANT holds it: round(value * 2**31)."""
+    import math
+
+    return int(math.floor(value * 2 ** 31 + 0.5))
+
+
+def _saturating_rounding_multiply_by_pot(x: int, exponent: int) -> int:
+    if exponent <= 0:
+        return rounding_divide_by_pot(x, -exponent)
+    threshold = (1 << (31 - exponent)) - 1
+    if x > threshold:
+        return INT32_MAX
+    if x < -threshold:
+        return INT32_MIN
+    return x * (1 << exponent)
+
+
+def _exp_near_minus_one_eighth(a: int) -> int:
+    """exp(a) for a in [-1/4, 0) (Q0 in and out): Taylor expansion around -1/8 to the fourth order."""
+    import math
+
+    srdhm = saturating_rounding_doubling_high_mul
+    exp_minus_eighth, one_third = _exp_constant(math.exp(-1 / 8)), _exp_constant(1 / 3)
+    x = _wrap32(a + (1 << 28))  # a + 1/8
+    x2 = srdhm(x, x)
+    x3 = srdhm(x2, x)
+    x4 = srdhm(x2, x2)
+    x4_over_4 = _saturating_rounding_multiply_by_pot(x4, -2)
+    tail = _saturating_rounding_multiply_by_pot(_wrap32(srdhm(_wrap32(x4_over_4 + x3), one_third) + x2), -1)
+    return _wrap32(exp_minus_eighth + srdhm(exp_minus_eighth, _wrap32(x + tail)))
+
+
+def exp_on_negative_values(a: int, integer_bits: int) -> int:
+    """gemmlowp exp_on_negative_values: a <= 0 with ``integer_bits``, result Q0."""
+    import math
+
+    fractional_bits = 31 - integer_bits
+    quarter = 1 << (fractional_bits - 2)
+    a_mod_quarter_minus_quarter = _wrap32((a & (quarter - 1)) - quarter)
+    result = _exp_near_minus_one_eighth(_saturating_rounding_multiply_by_pot(a_mod_quarter_minus_quarter,
+                                                                             integer_bits))
+    remainder = _wrap32(a_mod_quarter_minus_quarter - a)  # a multiple of 1/4, the part still to apply
+    for exponent in range(-2, 5):  # multiply by exp(-2**exponent) for each bit set in the remainder
+        if integer_bits > exponent and remainder & (1 << (fractional_bits + exponent)):
+            result = saturating_rounding_doubling_high_mul(result, _exp_constant(math.exp(-2.0 ** exponent)))
+    if integer_bits > 5 and a < -(1 << (fractional_bits + 5)):  # below -32: zero
+        result = 0
+    return INT32_MAX if a == 0 else result
+
+
+def one_over_one_plus_x_for_x_in_0_1(a: int) -> int:
+    """gemmlowp: 1 / (1 + a) for a in [0, 1) (Q0), by three Newton-Raphson steps on the half denominator (Q2)."""
+    srdhm = saturating_rounding_doubling_high_mul
+    half_denominator = (a + INT32_MAX + 1) // 2  # RoundingHalfSum(a, 1): a non-negative sum, plus one, halved
+    x = _wrap32(int(48 / 17 * 2 ** 29 + 0.5) + srdhm(half_denominator, -int(32 / 17 * 2 ** 29 + 0.5)))
+    for _ in range(3):
+        one_minus = _wrap32((1 << 29) - srdhm(half_denominator, x))
+        x = _wrap32(x + _saturating_rounding_multiply_by_pot(srdhm(x, one_minus), 2))
+    return _saturating_rounding_multiply_by_pot(x, 1)  # x / 2 in Q1 read as Q0: times 2
+
+
+def softmax_params(s_in: float, beta: float = 1.0) -> tuple[int, int, int]:
+    """TFLite SoftmaxPrepare (int8, kReference): PreprocessSoftmaxScaling(beta, s_in, 5) and
+    diff_min = -CalculateInputRadius(5, left_shift, 31). Scales are float32 values."""
+    import math
+
+    real = min(beta * s_in * (1 << 26), (1 << 31) - 1.0)
+    if real <= 1.0:
+        raise ValueError("TFLite aborts: QuantizeMultiplierGreaterThanOne of a multiplier <= 1")
+    multiplier, left_shift = quantize_multiplier(real)
+    return multiplier, left_shift, -math.floor(31 * (1 << 26) / (1 << left_shift))
+
+
+def softmax(rows, s_in, beta=1.0, zp_out=-128):
+    """TFLite reference int8 SOFTMAX (reference_ops::Softmax), one row of ``rows`` at a time, element by element."""
+    multiplier, left_shift, diff_min = softmax_params(s_in, beta)
+
+    def exp_of(diff: int) -> int:
+        rescaled = saturating_rounding_doubling_high_mul(_wrap32(diff * (1 << left_shift)), multiplier)
+        return exp_on_negative_values(rescaled, 5)  # Q5.26 in, Q0 out
+
+    out = []
+    for row in rows:
+        row_max = max(row)
+        total = 0  # Q12.19
+        for value in row:
+            if value - row_max >= diff_min:
+                total = _wrap32(total + rounding_divide_by_pot(exp_of(value - row_max), 12))
+        # GetReciprocal(total, 12): normalise the sum to [1, 2), 1 / (1 + fraction), bits above 1 kept aside.
+        headroom_plus_one = 32 - total.bit_length()
+        num_bits_over_unit = 12 - headroom_plus_one
+        reciprocal = one_over_one_plus_x_for_x_in_0_1(((total << headroom_plus_one) % (1 << 32)) - (1 << 31))
+        exponent = num_bits_over_unit + 31 - 8
+        if not 0 <= exponent <= 31:
+            raise ValueError("TFLite aborts: output shift outside 0..31")
+        values = []
+        for value in row:
+            if value - row_max >= diff_min:
+                probability = rounding_divide_by_pot(
+                    saturating_rounding_doubling_high_mul(reciprocal, exp_of(value - row_max)), exponent)
+                values.append(min(max(probability + zp_out, -128), 127))
+            else:
+                values.append(zp_out)
+        out.append(values)
+    return out

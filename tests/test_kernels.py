@@ -76,10 +76,10 @@ def test_float64_rounding_fully_connected_matches_reference():
 @pytest.mark.parametrize("config", [BASE, TINY_SRAM], ids=["one_tile", "tiled"])
 def test_add_matches_reference(config):
     import reference_kernels as ref
-    from npu_backend.params import AddParams
+    from npu_backend.params import ElementwiseParams
 
     rng = np.random.default_rng(5)
-    p = AddParams(op=NpuOp.ADD, shape=(1, 9, 11, 7), input_scale=float(np.float32(0.031)), input_zero_point=-7,
+    p = ElementwiseParams(op=NpuOp.ADD, shape=(1, 9, 11, 7), input_scale=float(np.float32(0.031)), input_zero_point=-7,
                   input2_scale=float(np.float32(0.017)), input2_zero_point=12,
                   output_scale=float(np.float32(0.04)), output_zero_point=3, clamp=(-100, 127))
     x1, x2 = (rng.integers(-128, 128, p.shape, dtype=np.int8) for _ in range(2))
@@ -120,3 +120,70 @@ def test_pooling_matches_reference(kind, config):
     want = ref.pool(x[0].tolist(), kind, p.kernel, p.strides, p.padding, p.clamp)
     np.testing.assert_array_equal(got, np.array(want, dtype=np.int8)[None])
     assert (len(stats.commands) > 3) == (config is TINY_SRAM)
+
+
+def _one_command_run(opcode, make_payload, inputs: dict, out_shape, config=BASE):
+    """Run one compute command on DRAM inputs: DMA each input into SRAM back to back, then the command, then
+    the output back. ``make_payload`` gets the SRAM FeatureMaps (inputs in order, then the output)."""
+    from simulator import Buffer, BufferKind, Command, CommandStream, DmaCopy, FeatureMap, MemorySpace, run_stream
+
+    buffers, commands, fmaps, address = [], [], [], 0
+    for index, (name, value) in enumerate(inputs.items()):
+        buffers.append(Buffer(name, BufferKind.INPUT, value.size, shape=value.shape))
+        commands.append(Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.DRAM, index, 0, MemorySpace.SRAM, -1, address,
+                                                         value.size)))
+        fmaps.append(FeatureMap(address, *value.shape[-3:]))
+        address += value.size
+    out_size = int(np.prod(out_shape))
+    buffers.append(Buffer("ofm", BufferKind.OUTPUT, out_size, shape=tuple(out_shape)))
+    fmaps.append(FeatureMap(address, *out_shape[-3:]))
+    commands.append(Command(opcode, make_payload(*fmaps)))
+    commands.append(Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.SRAM, -1, address, MemorySpace.DRAM, len(inputs), 0,
+                                                     out_size)))
+    stream = CommandStream("one_command", config.name, tuple(buffers), tuple(commands))
+    outputs, stats = run_stream(stream, inputs, config)
+    return outputs["ofm"], stats
+
+
+@pytest.mark.parametrize("opcode", [Opcode.SUB, Opcode.MUL])
+def test_sub_and_mul_kernels_match_reference(opcode):
+    import reference_kernels as ref
+    from simulator.isa import Elementwise
+    from simulator.numerics import mul_multiplier, sub_multipliers
+
+    rng = np.random.default_rng(int(opcode))
+    shape = (1, 9, 11, 7)
+    x1, x2 = (rng.integers(-128, 128, shape, dtype=np.int8) for _ in range(2))
+    s1, s2, so = (float(np.float32(s)) for s in (0.031, 0.017, 0.012))
+    zp1, zp2, zpo, clamp = -7, 12, 3, (-100, 120)
+    if opcode == Opcode.SUB:
+        m1, sh1, m2, sh2, mo, sho = sub_multipliers(s1, s2, so)
+        left_shift = 20
+        want = ref.sub(x1.ravel().tolist(), x2.ravel().tolist(), s1, zp1, s2, zp2, so, zpo, clamp)
+    else:
+        (mo, sho), (m1, sh1, m2, sh2, left_shift) = mul_multiplier(s1, s2, so), (0, 0, 0, 0, 0)
+        want = ref.mul(x1.ravel().tolist(), x2.ravel().tolist(), s1, zp1, s2, zp2, so, zpo, clamp)
+
+    def payload(ifm, ifm2, ofm):
+        return Elementwise(ifm, ifm2, ofm, zp1, zp2, zpo, m1, sh1, m2, sh2, mo, sho, left_shift, *clamp)
+
+    got, stats = _one_command_run(opcode, payload, {"ifm": x1, "ifm2": x2}, shape)
+    np.testing.assert_array_equal(got.ravel(), np.array(want, dtype=np.int8))
+    assert [c.opcode for c in stats.commands].count(opcode) == 1
+
+
+def test_softmax_kernel_matches_reference_per_pixel():
+    """Softmax runs over the channels of each pixel: 5 x 7 pixels are 35 independent rows of 13."""
+    import reference_kernels as ref
+    from simulator.isa import Softmax
+    from simulator.numerics import softmax_params
+
+    rng = np.random.default_rng(9)
+    shape, scale = (1, 5, 7, 13), float(np.float32(0.09))
+    x = rng.integers(-128, 128, shape, dtype=np.int8)
+    params = softmax_params(scale)
+    got, stats = _one_command_run(Opcode.SOFTMAX, lambda ifm, ofm: Softmax(ifm, ofm, *params), {"ifm": x}, shape)
+    want = ref.softmax(x.reshape(-1, 13).tolist(), scale)
+    np.testing.assert_array_equal(got.reshape(-1, 13), np.array(want, dtype=np.int8))
+    (cost,) = [c for c in stats.commands if c.opcode == Opcode.SOFTMAX]
+    assert cost.cycles > 35 * 3  # at least three passes over every row

@@ -116,3 +116,142 @@ def test_hard_swish_table_tracks_the_real_function():
     real = (np.arange(-128, 128)) * s_in
     want = np.clip(np.round(real * np.clip(real + 3, 0, 6) / 6 / s_out) + zo, -128, 127)
     assert np.max(np.abs(hard_swish_table(s_in, 0, s_out, zo).astype(int) - want)) <= 1
+
+
+ORACLE = "oracle/elementwise_ops.npz"
+"""BUILTIN_REF SUB/MUL on all 256 x 256 input pairs and SOFTMAX rows (scripts/make_elementwise_oracle.py)."""
+
+
+def _oracle():
+    from conftest import FIXTURES
+
+    return np.load(FIXTURES / ORACLE)
+
+
+def _every_pair():
+    return np.meshgrid(np.arange(-128, 128), np.arange(-128, 128), indexing="ij")
+
+
+@pytest.mark.parametrize("scales", [(0.02, 0.031, 0.045), (0.05, 0.05, 0.1), (0.0123, 0.0789, 0.006),
+                                    (0.9, 0.001, 3e-6)])
+def test_sub_multipliers_are_adds(scales):
+    """sub.cc PrepareGeneralSubOp and add.cc Prepare compute the same six numbers from the same expressions."""
+    from simulator.numerics import add_multipliers, sub_multipliers
+
+    assert sub_multipliers(*scales) == add_multipliers(*scales)
+
+
+def test_sub_output_multiplier_must_stay_below_one():
+    """s1 = s2 = 0.5 makes the output multiplier 1 / (2**20 * s_out): 1 at s_out = 2**-20, just below one float up."""
+    from simulator.numerics import sub_multipliers
+
+    with pytest.raises(NumericsError, match="SUB output multiplier 1 must be below 1"):
+        sub_multipliers(0.5, 0.5, 2.0 ** -20)
+    assert sub_multipliers(0.5, 0.5, np.nextafter(np.float32(2.0 ** -20), np.float32(1)))[5] == 0
+
+
+def test_mul_multiplier_is_formed_in_float32():
+    """mul.cc: ``input1 scale * input2 scale / output scale`` on floats; double would differ in the last bits."""
+    from simulator.numerics import mul_multiplier
+
+    s1, s2, so = np.float32(0.039738819003105164), np.float32(0.033220190554857254), np.float32(0.04043462127447128)
+    assert mul_multiplier(s1, s2, so) == quantize_multiplier(float(np.float32(np.float32(s1 * s2) / so)))
+    assert mul_multiplier(s1, s2, so) != quantize_multiplier(float(s1) * float(s2) / float(so))
+    assert mul_multiplier(0.37, 0.41, 0.023)[1] == 3  # a real multiplier above 1 keeps its left shift
+
+
+def test_sub_and_mul_match_the_slow_reference():
+    from simulator.numerics import elementwise_mul, elementwise_sub, mul_multiplier, sub_multipliers
+
+    rng = np.random.default_rng(12)
+    x1, x2 = (rng.integers(-128, 128, 3000) for _ in range(2))
+    s1, s2, so = (float(np.float32(s)) for s in (0.031, 0.017, 0.02))
+    got = elementwise_sub(x1, x2, -7, 12, 3, *sub_multipliers(s1, s2, so), 20, -100, 127)
+    assert got.tolist() == ref.sub(x1.tolist(), x2.tolist(), s1, -7, s2, 12, so, 3, (-100, 127))
+    got = elementwise_mul(x1, x2, -7, 12, 3, *mul_multiplier(s1, s2, so), -128, 90)
+    assert got.tolist() == ref.mul(x1.tolist(), x2.tolist(), s1, -7, s2, 12, so, 3, (-128, 90))
+
+
+@pytest.mark.parametrize("op", ["sub", "mul"])
+def test_sub_and_mul_equal_tflite_on_every_input_pair(op):
+    """Exhaustive oracle, tolerance 0: every int8 pair at each parameter case of the fixture."""
+    from simulator.numerics import elementwise_mul, elementwise_sub, mul_multiplier, sub_multipliers
+
+    oracle = _oracle()
+    x1, x2 = _every_pair()
+    cases = zip(oracle[f"{op}_scales"], oracle[f"{op}_zero_points"], oracle[f"{op}_act"], oracle[f"{op}_out"])
+    count = 0
+    for (s1, s2, so), (z1, z2, zo), (lo, hi), want in cases:
+        if op == "sub":
+            got = elementwise_sub(x1, x2, z1, z2, zo, *sub_multipliers(s1, s2, so), 20, lo, hi)
+        else:
+            got = elementwise_mul(x1, x2, z1, z2, zo, *mul_multiplier(s1, s2, so), lo, hi)
+        np.testing.assert_array_equal(got, want, err_msg=f"{op} scales {(s1, s2, so)} zero points {(z1, z2, zo)}")
+        count += want.size
+    assert count >= 3 * 65536
+
+
+def test_softmax_params_probe_tflites_limits():
+    """2**-26 is where PreprocessSoftmaxScaling aborts (multiplier 1); 40 caps the multiplier at 2**31 - 1."""
+    from simulator.numerics import softmax_params
+
+    with pytest.raises(NumericsError, match=r"at most 2\*\*-26"):
+        softmax_params(2.0 ** -26)
+    with pytest.raises(NumericsError, match=r"at most 2\*\*-26"):
+        softmax_params(2.0 ** -25, beta=0.5)
+    just_above = np.nextafter(np.float32(2.0 ** -26), np.float32(1))
+    assert softmax_params(just_above) == ((1 << 30) + (1 << 7), 1, -(31 << 25))  # 2**30 * (1 + 2**-23)
+    assert softmax_params(40.0) == ((1 << 31) - 1, 31, 0)
+    assert softmax_params(0.05) == ref.softmax_params(float(np.float32(0.05)))
+
+
+def test_softmax_matches_the_slow_reference():
+    from simulator.numerics import softmax, softmax_params
+
+    rng = np.random.default_rng(4)
+    for scale, depth in ((0.004, 1), (0.05, 13), (0.3, 40), (2.0, 7), (40.0, 5)):
+        scale = float(np.float32(scale))
+        rows = rng.integers(-128, 128, (60, depth))
+        rows[::3, : min(3, depth)] = 127  # ties at the maximum
+        assert softmax(rows, *softmax_params(scale)).tolist() == ref.softmax(rows.tolist(), scale)
+
+
+def test_softmax_row_sum_of_512_raises_like_tflites_abort():
+    """511 equal channels sum to 511 and give 1/511 each (what BUILTIN_REF returns); 512 make TFLite abort."""
+    from simulator.numerics import softmax, softmax_params
+
+    params = softmax_params(0.0235)
+    assert softmax(np.zeros((1, 511), np.int8), *params).tolist() == [[-127] * 511]
+    with pytest.raises(NumericsError, match="reaches 512"):
+        softmax(np.zeros((1, 512), np.int8), *params)
+
+
+@pytest.mark.parametrize("depth", [10, 16])
+def test_softmax_equals_tflite(depth):
+    """Oracle, tolerance 0: hundreds of rows (uniform, dominant, narrow, constant, tied) at five input scales."""
+    from simulator.numerics import softmax, softmax_params
+
+    oracle = _oracle()
+    cases = zip(oracle["softmax_scale"], oracle["softmax_beta"], oracle[f"softmax_d{depth}_x"],
+                oracle[f"softmax_d{depth}_out"])
+    for scale, beta, rows, want in cases:
+        np.testing.assert_array_equal(softmax(rows, *softmax_params(scale, beta)), want,
+                                      err_msg=f"input scale {scale}, beta {beta}")
+    assert oracle[f"softmax_d{depth}_out"].size >= 5 * 300 * depth
+
+
+def test_slow_softmax_reference_equals_tflite():
+    """The second oracle agrees with the first, so the two are not wrong together."""
+    oracle = _oracle()
+    scale, beta = float(oracle["softmax_scale"][2]), float(oracle["softmax_beta"][2])
+    rows, want = oracle["softmax_d10_x"][2][:100], oracle["softmax_d10_out"][2][:100]
+    assert ref.softmax(rows.tolist(), scale, beta) == want.tolist()
+
+
+def test_softmax_refuses_differences_that_overflow_int32():
+    from simulator.numerics import softmax
+
+    row = np.array([[127, -128]])
+    assert softmax(row, 1 << 30, 24, -128).tolist() == [[127, -128]]  # 128 << 24 is -2**31: still an int32
+    with pytest.raises(NumericsError, match="overflows int32"):
+        softmax(row, 1 << 30, 24, -129)

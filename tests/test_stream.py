@@ -165,3 +165,119 @@ def test_stream_larger_than_dram_is_refused(conv_stream):
     stream = dataclasses.replace(conv_stream, buffers=(conv_stream.buffers[0], huge, *conv_stream.buffers[2:]))
     with pytest.raises(StreamError, match="bytes of DRAM"):
         validate_stream(stream, CONFIG)
+
+
+def _compute_stream(*commands) -> CommandStream:
+    """A stream of compute commands on SRAM only (validation needs no DMA), with one output buffer."""
+    from simulator import Buffer
+
+    return CommandStream("compute", CONFIG.name, (Buffer("ofm", BufferKind.OUTPUT, 16, shape=(16,)),), commands)
+
+
+def _softmax_command(**changes):
+    from simulator import Command, FeatureMap
+    from simulator.isa import Softmax
+
+    fields = dict(ifm=FeatureMap(0, 2, 3, 10), ofm=FeatureMap(64, 2, 3, 10), input_multiplier=1717986944,
+                  input_left_shift=22, diff_min=-496)
+    return Command(Opcode.SOFTMAX, Softmax(**{**fields, **changes}), layer="probs")
+
+
+def _elementwise_command(opcode, **changes):
+    from simulator import Command, FeatureMap
+    from simulator.isa import Elementwise
+
+    fields = dict(ifm=FeatureMap(0, 1, 8, 4), ifm2=FeatureMap(32, 1, 8, 4), ofm=FeatureMap(64, 1, 8, 4),
+                  input_zero_point=-7, input2_zero_point=12, output_zero_point=3, input_multiplier=0, input_shift=0,
+                  input2_multiplier=0, input2_shift=0, output_multiplier=1936639616, output_shift=-4, left_shift=0)
+    if opcode == Opcode.SUB:
+        fields.update(input_multiplier=1385473313, input_shift=-1, input2_multiplier=1 << 30,
+                      output_multiplier=1479377541, output_shift=-19, left_shift=20)
+    return Command(opcode, Elementwise(**{**fields, **changes}), layer=opcode.name.lower())
+
+
+def test_new_opcodes_round_trip():
+    """Format 1.1: SUB and MUL carry Elementwise, SOFTMAX the new Softmax table; every field survives."""
+    stream = _compute_stream(_elementwise_command(Opcode.SUB), _elementwise_command(Opcode.MUL),
+                             _softmax_command(), _softmax_command(output_zero_point=5, diff_min=-3))
+    decoded = decode_stream(encode_stream(stream))
+    assert decoded == stream and decoded.version == FORMAT_VERSION == (1, 1)
+    assert [c.opcode for c in decoded.commands] == [Opcode.SUB, Opcode.MUL, Opcode.SOFTMAX, Opcode.SOFTMAX]
+    sub, mul = decoded.commands[0].payload, decoded.commands[1].payload
+    assert (sub.left_shift, sub.input_shift, sub.output_shift) == (20, -1, -19)
+    assert (mul.left_shift, mul.output_multiplier, mul.output_shift) == (0, 1936639616, -4)
+    softmax, shifted = decoded.commands[2].payload, decoded.commands[3].payload
+    assert (softmax.input_multiplier, softmax.input_left_shift, softmax.diff_min) == (1717986944, 22, -496)
+    assert (softmax.ifm.height, softmax.ifm.width, softmax.ifm.channels) == (2, 3, 10)
+    assert softmax.output_zero_point == -128 and shifted.output_zero_point == 5
+    validate_stream(decoded, CONFIG)
+
+
+def test_opcode_and_payload_must_agree():
+    from simulator import Command
+
+    stream = _compute_stream(Command(Opcode.SOFTMAX, _elementwise_command(Opcode.ADD).payload))
+    with pytest.raises(StreamError, match="SOFTMAX cannot carry Elementwise"):
+        encode_stream(stream)
+    with pytest.raises(StreamError, match=r"command 0 \(SOFTMAX\): payload is Elementwise, expected Softmax"):
+        validate_stream(stream, CONFIG)
+
+
+@pytest.mark.parametrize("field, value", [("input_multiplier", 1 << 30), ("input_shift", -1),
+                                          ("input2_multiplier", 5), ("input2_shift", -2), ("left_shift", 20)])
+def test_validation_rejects_mul_with_add_fields(field, value):
+    validate_stream(_compute_stream(_elementwise_command(Opcode.MUL)), CONFIG)
+    with pytest.raises(StreamError, match=f"MUL rescales only the product; {field} must be 0"):
+        validate_stream(_compute_stream(_elementwise_command(Opcode.MUL, **{field: value})), CONFIG)
+
+
+@pytest.mark.parametrize("opcode", [Opcode.SUB, Opcode.MUL])
+def test_validation_rejects_elementwise_count_mismatch(opcode):
+    from simulator import FeatureMap
+
+    bad = _elementwise_command(opcode, ifm2=FeatureMap(32, 1, 8, 3))
+    with pytest.raises(StreamError, match=r"command 0 \((SUB|MUL)\): elementwise operands hold different"):
+        validate_stream(_compute_stream(bad), CONFIG)
+
+
+def _softmax_rejected(message, **changes):
+    with pytest.raises(StreamError, match=message):
+        validate_stream(_compute_stream(_softmax_command(**changes)), CONFIG)
+
+
+def test_validation_softmax_shapes():
+    from simulator import FeatureMap
+
+    _softmax_rejected(r"ofm 3x2x10 must have the ifm's shape 2x3x10", ofm=FeatureMap(64, 3, 2, 10))
+    _softmax_rejected("ifm dimensions must be positive", ifm=FeatureMap(0, 2, 3, 0), ofm=FeatureMap(64, 2, 3, 0))
+    _softmax_rejected("ofm overlaps ifm", ofm=FeatureMap(59, 2, 3, 10))
+    validate_stream(_compute_stream(_softmax_command(ofm=FeatureMap(60, 2, 3, 10))), CONFIG)  # adjacent is fine
+    _softmax_rejected("ofm ends at SRAM byte", ofm=FeatureMap(CONFIG.sram_bytes - 59, 2, 3, 10))
+
+
+def test_validation_softmax_parameters_at_their_limits():
+    validate_stream(_compute_stream(_softmax_command(input_left_shift=31, diff_min=0,
+                                                     input_multiplier=(1 << 31) - 1)), CONFIG)
+    _softmax_rejected("input multiplier 1717986944 / left shift 32 out of range", input_left_shift=32)
+    _softmax_rejected("left shift -1 out of range", input_left_shift=-1)
+    _softmax_rejected("input multiplier 2147483648 / left shift 22 out of range", input_multiplier=1 << 31)
+    _softmax_rejected(r"diff_min 1 must be <= 0 \(the row maximum always counts\)", diff_min=1)
+    _softmax_rejected("output_zero_point 128 is outside int8", output_zero_point=128)
+    validate_stream(_compute_stream(_softmax_command(input_left_shift=24, diff_min=-128)), CONFIG)  # -2**31 fits
+    _softmax_rejected("diff_min -129 shifted left by 24 overflows int32", input_left_shift=24, diff_min=-129)
+
+
+def test_softmax_runs_from_decoded_bytes():
+    """The stream format and the kernel agree: a decoded SOFTMAX stream runs and normalises every row."""
+    from simulator import Buffer, Command
+
+    x = np.arange(-30, 30, dtype=np.int8).reshape(1, 2, 3, 10)
+    dma_in = DmaCopy(MemorySpace.DRAM, 0, 0, MemorySpace.SRAM, -1, 0, x.size)
+    dma_out = DmaCopy(MemorySpace.SRAM, -1, 64, MemorySpace.DRAM, 1, 0, x.size)
+    stream = CommandStream("softmax", CONFIG.name,
+                           (Buffer("ifm", BufferKind.INPUT, x.size, shape=x.shape),
+                            Buffer("ofm", BufferKind.OUTPUT, x.size, shape=x.shape)),
+                           (Command(Opcode.DMA_COPY, dma_in), _softmax_command(), Command(Opcode.DMA_COPY, dma_out)))
+    outputs, _ = run_stream(encode_stream(stream), {"ifm": x})
+    probabilities = (outputs["ofm"].astype(int).reshape(6, 10) + 128).sum(axis=1)
+    assert np.all(np.abs(probabilities - 256) <= 10)

@@ -108,7 +108,18 @@ class Command(object):
             return obj
         return None
 
-def CommandStart(builder): builder.StartObject(8)
+    # Command
+    def Softmax(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(20))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .Softmax import Softmax
+            obj = Softmax()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def CommandStart(builder): builder.StartObject(9)
 def Start(builder):
     return CommandStart(builder)
 def CommandAddOpcode(builder, opcode): builder.PrependUint8Slot(0, opcode, 0)
@@ -135,6 +146,9 @@ def AddPooling(builder, pooling):
 def CommandAddLut(builder, lut): builder.PrependUOffsetTRelativeSlot(7, flatbuffers.number_types.UOffsetTFlags.py_type(lut), 0)
 def AddLut(builder, lut):
     return CommandAddLut(builder, lut)
+def CommandAddSoftmax(builder, softmax): builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(softmax), 0)
+def AddSoftmax(builder, softmax):
+    return CommandAddSoftmax(builder, softmax)
 def CommandEnd(builder): return builder.EndObject()
 def End(builder):
     return CommandEnd(builder)

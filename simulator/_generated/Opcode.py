@@ -12,3 +12,6 @@ class Opcode(object):
     MAX_POOL2D = 6
     AVG_POOL2D = 7
     LUT = 8
+    SUB = 9
+    MUL = 10
+    SOFTMAX = 11
