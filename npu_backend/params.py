@@ -1,7 +1,7 @@
 """The canonical parameter records of NPU operators and their attribute encoding.
 
 A matched composite is turned into its record (:class:`ConvParams`,
-:class:`AddParams`, ...) once, by the pattern table's ``extract_*`` functions;
+:class:`ElementwiseParams`, ...) once, by the pattern table's ``extract_*`` functions;
 the record is written onto the
 composite function as ``npu.*`` attributes, and the codegen rebuilds the
 record from those attributes. Nothing downstream re-derives a qparam from the
@@ -10,8 +10,8 @@ operator body, so what a user reads on the composite is what runs.
 Attribute schema of ``npu.conv2d``, ``npu.depthwise_conv2d`` and
 ``npu.fully_connected``. The other composites use the same names for the
 fields they have (one name per fact across all records), plus
-``npu.input2_scale`` / ``npu.input2_zero_point`` for the second addend of
-``npu.add`` and ``npu.shape`` for elementwise shapes; qparam-transparent ops
+``npu.input2_scale`` / ``npu.input2_zero_point`` for the second operand of
+``npu.add``, ``npu.subtract`` and ``npu.multiply``, ``npu.beta`` for ``npu.softmax`` and ``npu.shape`` for elementwise shapes; qparam-transparent ops
 (pooling, reshape) carry none, since they cannot change them. Every composite
 also carries ``npu.source_vars``, the bindings of the input graph it absorbed.
 
@@ -31,7 +31,8 @@ also carries ``npu.source_vars``, the bindings of the input graph it absorbed.
 ``npu.output_zero_point``  output zero point
 ``npu.clamp``              (qmin, qmax): the fused activation as an integer clamp
 ``npu.kernel`` ...         ``npu.strides``, ``npu.dilation``, ``npu.padding`` (top, left, bottom, right)
-``npu.rounding``           requantization rounding (``TFLITE_DOUBLE``, ``TFLITE_SINGLE``, ``FLOAT64``)
+``npu.rounding``           requantization rounding (``TFLITE_DOUBLE``, ``TFLITE_SINGLE``, ``FLOAT64``,
+                           ``ONNXRUNTIME``: see :mod:`npu_backend.reference`)
 =========================  ===========================================================
 """
 
@@ -63,6 +64,9 @@ class NpuOp(str, Enum):
     PAD = "pad"
     LEAKY_RELU = "leaky_relu"
     HARD_SWISH = "hard_swish"
+    SUBTRACT = "subtract"
+    MULTIPLY = "multiply"
+    SOFTMAX = "softmax"
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,8 @@ class ConvParams:
 
 
 @dataclass(frozen=True)
-class AddParams:
-    """An int8 elementwise addition of two same-shaped tensors (TFLite ADD)."""
+class ElementwiseParams:
+    """An int8 elementwise ADD, SUB or MUL of two same-shaped tensors, requantized to the output."""
 
     op: NpuOp
     shape: tuple[int, ...]
@@ -136,6 +140,14 @@ class PoolParams:
     strides: tuple[int, int]
     padding: tuple[int, int, int, int]
     clamp: tuple[int, int] = (-128, 127)
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+    """How an average is computed and rounded: TFLite's integer kernel, or onnxruntime's float32 one."""
+    input_scale: float = 0.0
+    input_zero_point: int = 0
+    output_scale: float = 0.0
+    output_zero_point: int = 0
+    """Qparams where the graph states them (the QDQ form, or the dataflow analysis); scale 0.0 where it
+    does not (a bare int8 pooling of a graph input: the integer result needs none)."""
 
 
 @dataclass(frozen=True)
@@ -160,6 +172,9 @@ class LutParams:
     output_zero_point: int
     alpha: float = 0.0
     """Negative slope (leaky ReLU only)."""
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+    """Which reference the table reproduces: TFLite's integer kernel, or (ONNXRUNTIME) onnxruntime's
+    float function of the dequantized input, quantized half to even."""
 
 
 @dataclass(frozen=True)
@@ -187,14 +202,29 @@ class PadParams:
     pad_value: int
 
 
-NpuParams = (ConvParams | AddParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
-             | PadParams)
+@dataclass(frozen=True)
+class SoftmaxParams:
+    """int8 softmax along the last axis; TFLite's kernel fixes the output at scale 1/256, zero point -128."""
+
+    op: NpuOp
+    shape: tuple[int, ...]
+    input_scale: float
+    input_zero_point: int
+    output_scale: float
+    output_zero_point: int
+    beta: float = 1.0
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+    """Only TFLite's integer softmax exists on the NPU; onnxruntime's float softmax stays on the host."""
+
+
+NpuParams = (ConvParams | ElementwiseParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
+             | PadParams | SoftmaxParams)
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
     NpuOp.DEPTHWISE_CONV2D: ConvParams,
     NpuOp.FULLY_CONNECTED: ConvParams,
-    NpuOp.ADD: AddParams,
+    NpuOp.ADD: ElementwiseParams,
     NpuOp.MEAN: MeanParams,
     NpuOp.MAX_POOL2D: PoolParams,
     NpuOp.AVG_POOL2D: PoolParams,
@@ -206,6 +236,9 @@ RECORD_OF_OP = {
     NpuOp.PAD: PadParams,
     NpuOp.LEAKY_RELU: LutParams,
     NpuOp.HARD_SWISH: LutParams,
+    NpuOp.SUBTRACT: ElementwiseParams,
+    NpuOp.MULTIPLY: ElementwiseParams,
+    NpuOp.SOFTMAX: SoftmaxParams,
 }
 
 

@@ -116,8 +116,9 @@ class ConvIdiom:
         return relax.op.clip(bb.emit(q), float(self.clip[0]), float(self.clip[1]))
 
 
-def add_module(shape=(1, 6, 6, 8), shape2=None, q1=(0.03, -5), q2=(0.02, 7), q_out=(0.05, 1), clip=None):
-    """quantize(add(dequantize(a), dequantize(b))) [-> clip], the importer's int8 ADD."""
+def add_module(shape=(1, 6, 6, 8), shape2=None, q1=(0.03, -5), q2=(0.02, 7), q_out=(0.05, 1), clip=None,
+               op=relax.op.add):
+    """quantize(op(dequantize(a), dequantize(b))) [-> clip], the importer's int8 ADD (SUB, MUL with ``op``)."""
     bb = relax.BlockBuilder()
     a = relax.Var("a", relax.TensorType(shape, "int8"))
     b = relax.Var("b", relax.TensorType(shape2 or shape, "int8"))
@@ -125,7 +126,7 @@ def add_module(shape=(1, 6, 6, 8), shape2=None, q1=(0.03, -5), q2=(0.02, 7), q_o
         with bb.dataflow():
             da = bb.emit(relax.op.dequantize(a, f32(q1[0]), i32(q1[1]), axis=0))
             db = bb.emit(relax.op.dequantize(b, f32(q2[0]), i32(q2[1]), axis=0))
-            s = bb.emit(relax.op.add(da, db))
+            s = bb.emit(op(da, db))
             out = relax.op.quantize(s, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8")
             if clip is not None:
                 out = relax.op.clip(bb.emit(out), float(clip[0]), float(clip[1]))

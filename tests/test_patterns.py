@@ -32,12 +32,12 @@ def partition(idiom: ConvIdiom):
 def test_registry_order_puts_fused_activation_first():
     entries = registered_patterns()
     names = [e.name for e in entries]
-    clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add", "npu.max_pool2d",
-               "npu.avg_pool2d"]
+    clipped = ["npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected", "npu.add", "npu.subtract",
+               "npu.multiply", "npu.max_pool2d", "npu.avg_pool2d"]
     n = len(clipped)
-    assert names == clipped[:4] + clipped[4:] + clipped[:4] + ["npu.mean"] + clipped[4:] + ["npu.reshape", "npu.sigmoid", "npu.tanh",
-                                                                                "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
-                                                                                "npu.pad"] + ["npu.concat"] * 5
+    assert names == clipped + clipped[:6] + ["npu.mean"] + clipped[6:] + [
+        "npu.reshape", "npu.sigmoid", "npu.tanh", "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
+        "npu.softmax", "npu.pad"] + ["npu.concat"] * 5
     root_op = lambda e: str(e.pattern).split('name="', 1)[1].split('"', 1)[0]  # noqa: E731
     assert {root_op(e) for e in entries[:n]} == {"relax.clip"}
     assert "relax.clip" not in {root_op(e) for e in entries[n:]}
@@ -175,6 +175,27 @@ def test_add_with_fused_relu():
     assert p.shape == (1, 6, 6, 8)
 
 
+@pytest.mark.parametrize("op, name", [(relax.op.subtract, "npu.subtract"), (relax.op.multiply, "npu.multiply")])
+def test_subtract_and_multiply_with_fused_relu(op, name):
+    from relax_idioms import add_module
+
+    mod = npu_backend.partition_for_npu(add_module(clip=(-100, 127), op=op))
+    (found, p), = composites(mod)
+    assert found == name and p.op == NpuOp(name.split(".")[1])
+    assert (p.input_scale, p.input_zero_point, p.input2_scale, p.input2_zero_point) == (
+        np.float32(0.03), -5, np.float32(0.02), 7)
+    assert (p.output_scale, p.output_zero_point, p.clamp) == (np.float32(0.05), 1, (-100, 127))
+
+
+def test_divide_is_not_an_npu_operator():
+    from relax_idioms import add_module
+
+    mod = npu_backend.partition_for_npu(add_module(op=relax.op.divide))
+    assert composites(mod) == []
+    divide = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.divide")
+    assert divide.reason == "no NPU pattern covers this operator"
+
+
 def test_broadcasting_add_stays_on_host():
     from relax_idioms import add_module
 
@@ -281,6 +302,29 @@ def test_fake_quantized_activation_becomes_a_table(op, name, q_out):
     (found, p), = composites(npu_backend.partition_for_npu(activation_module(op, q_out=q_out)))
     assert found == name and (p.input_scale, p.input_zero_point) == (np.float32(0.05), 3)
     assert (p.output_scale, p.output_zero_point) == (np.float32(q_out[0]), q_out[1])
+
+
+def test_softmax_over_the_last_axis():
+    from relax_idioms import activation_module
+
+    mod = npu_backend.partition_for_npu(activation_module(lambda x: relax.op.nn.softmax(x, axis=-1), shape=(2, 10)))
+    (found, p), = composites(mod)
+    assert found == "npu.softmax" and p.shape == (2, 10) and p.beta == 1.0
+    assert (p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point) == (
+        np.float32(0.05), 3, np.float32(1 / 256), -128)
+
+
+@pytest.mark.parametrize("axis, q_out, reason", [
+    (0, (1 / 256, -128), "softmax over axis 0 is not over the last axis"),
+    (-1, (1 / 128, 0), "int8 SOFTMAX needs output scale 0.00390625 and zero point -128")])
+def test_softmax_the_npu_cannot_run_stays_on_host(axis, q_out, reason):
+    from relax_idioms import activation_module
+
+    mod = npu_backend.partition_for_npu(
+        activation_module(lambda x: relax.op.nn.softmax(x, axis=axis), shape=(2, 10), q_out=q_out))
+    assert composites(mod) == []
+    softmax = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.nn.softmax")
+    assert reason in softmax.reason
 
 
 def test_activation_with_other_output_qparams_stays_on_host():

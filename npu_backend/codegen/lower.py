@@ -14,14 +14,14 @@ from tvm import relax
 
 from simulator.config import NpuConfig, get_config
 from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
-                           FeatureMap, MemorySpace, Opcode, Pooling, Reduction, TableLookup)
+                           FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
 from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams, from_attrs)
-from .multipliers import add_multipliers, conv_multipliers, lut_table, mean_multiplier
-from .plan import (LayerGeometry, TilePlan, plan_add, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean,
+from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
+                      ReshapeParams, SoftmaxParams, from_attrs)
+from .multipliers import conv_multipliers, elementwise_multipliers, lut_table, mean_multiplier, softmax_multiplier
+from .plan import (LayerGeometry, TilePlan, plan_elementwise, plan_softmax, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean,
                    plan_pad)
 
 CONFIG_ATTR = "npu.preset"
@@ -105,11 +105,16 @@ def emit_conv(sb: StreamBuilder, p: ConvParams, layer: str, sources: list[int], 
                            plan.ofm_address, to_sram=False)
 
 
-def emit_add(sb: StreamBuilder, p: AddParams, layer: str, sources: list[int], dst: int) -> None:
-    """Elementwise addition over flat chunks of both inputs."""
+ELEMENTWISE_OPCODES = {NpuOp.ADD: Opcode.ADD, NpuOp.SUBTRACT: Opcode.SUB, NpuOp.MULTIPLY: Opcode.MUL}
+ELEMENTWISE_LEFT_SHIFT = {NpuOp.ADD: ADD_LEFT_SHIFT, NpuOp.SUBTRACT: ADD_LEFT_SHIFT, NpuOp.MULTIPLY: 0}
+"""TFLite gives ADD and SUB inputs 20 bits of headroom before rescaling; MUL rescales only the product."""
+
+
+def emit_elementwise(sb: StreamBuilder, p: ElementwiseParams, layer: str, sources: list[int], dst: int) -> None:
+    """Binary elementwise operator over flat chunks of both inputs."""
     src, src2 = sources
-    plan = plan_add(p, sb.config)
-    m1, s1, m2, s2, mo, so = add_multipliers(p)
+    plan = plan_elementwise(p, sb.config)
+    m1, s1, m2, s2, mo, so = elementwise_multipliers(p)
     total = int(np.prod(p.shape))
     for start in range(0, total, plan.chunk):
         count = min(plan.chunk, total - start)
@@ -120,10 +125,26 @@ def emit_add(sb: StreamBuilder, p: AddParams, layer: str, sources: list[int], ds
             ofm=FeatureMap(plan.ofm_address, 1, count, 1), input_zero_point=p.input_zero_point,
             input2_zero_point=p.input2_zero_point, output_zero_point=p.output_zero_point,
             input_multiplier=m1, input_shift=s1, input2_multiplier=m2, input2_shift=s2,
-            output_multiplier=mo, output_shift=so, left_shift=ADD_LEFT_SHIFT, act_min=p.clamp[0],
+            output_multiplier=mo, output_shift=so, left_shift=ELEMENTWISE_LEFT_SHIFT[p.op], act_min=p.clamp[0],
             act_max=p.clamp[1], rounding=p.rounding)
-        sb.commands.append(Command(Opcode.ADD, op, layer))
+        sb.commands.append(Command(ELEMENTWISE_OPCODES[p.op], op, layer))
         sb.dma(layer, dst, start, plan.ofm_address, count, to_sram=False)
+
+
+def emit_softmax(sb: StreamBuilder, p: SoftmaxParams, layer: str, sources: list[int], dst: int) -> None:
+    """Whole rows at a time: each row's maximum and sum of exponentials need all of it."""
+    (src,) = sources
+    plan = plan_softmax(p, sb.config)
+    multiplier, left_shift, diff_min = softmax_multiplier(p)
+    depth, rows = p.shape[-1], int(np.prod(p.shape[:-1]))
+    for r0 in range(0, rows, plan.rows):
+        count = min(plan.rows, rows - r0)
+        sb.dma(layer, src, r0 * depth, plan.ifm_address, count * depth)
+        op = Softmax(ifm=FeatureMap(plan.ifm_address, 1, count, depth),
+                     ofm=FeatureMap(plan.ofm_address, 1, count, depth), input_multiplier=multiplier,
+                     input_left_shift=left_shift, diff_min=diff_min, output_zero_point=p.output_zero_point)
+        sb.commands.append(Command(Opcode.SOFTMAX, op, layer))
+        sb.dma(layer, dst, r0 * depth, plan.ofm_address, count * depth, to_sram=False)
 
 
 def emit_mean(sb: StreamBuilder, p: MeanParams, layer: str, sources: list[int], dst: int) -> None:
@@ -229,7 +250,10 @@ LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
     NpuOp.FULLY_CONNECTED: emit_conv,
-    NpuOp.ADD: emit_add,
+    NpuOp.ADD: emit_elementwise,
+    NpuOp.SUBTRACT: emit_elementwise,
+    NpuOp.MULTIPLY: emit_elementwise,
+    NpuOp.SOFTMAX: emit_softmax,
     NpuOp.MEAN: emit_mean,
     NpuOp.MAX_POOL2D: emit_pool,
     NpuOp.AVG_POOL2D: emit_pool,

@@ -11,8 +11,8 @@ import numpy as np
 from simulator import numerics
 
 from ..errors import QParamError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                      PoolParams, ReshapeParams)
+from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
+                      PoolParams, ReshapeParams, SoftmaxParams)
 
 
 def conv_multipliers(p: ConvParams):
@@ -31,8 +31,26 @@ def conv_multipliers(p: ConvParams):
     return numerics.conv_multipliers(p.input_scale, p.weight_scales, p.output_scale, p.rounding)
 
 
-def add_multipliers(p: AddParams):
-    return numerics.add_multipliers(p.input_scale, p.input2_scale, p.output_scale, p.rounding)
+def _mul_multipliers(input_scale, input2_scale, output_scale, rounding):
+    """MUL rescales only the product: its input multipliers and shifts are zero."""
+    return (0, 0, 0, 0, *numerics.mul_multiplier(input_scale, input2_scale, output_scale, rounding))
+
+
+ELEMENTWISE_PREPARE = {
+    NpuOp.ADD: numerics.add_multipliers,
+    NpuOp.SUBTRACT: numerics.sub_multipliers,
+    NpuOp.MULTIPLY: _mul_multipliers,
+}
+"""(m1, s1, m2, s2, m_out, s_out) of each binary operator, as TFLite's Prepare computes them."""
+
+
+def elementwise_multipliers(p: ElementwiseParams):
+    return ELEMENTWISE_PREPARE[p.op](p.input_scale, p.input2_scale, p.output_scale, p.rounding)
+
+
+def softmax_multiplier(p: SoftmaxParams):
+    """(input multiplier, input left shift, diff_min) of TFLite's reference int8 SOFTMAX."""
+    return numerics.softmax_params(p.input_scale, p.beta)
 
 
 def mean_multiplier(p: MeanParams):
@@ -68,9 +86,10 @@ def lut_table(p: LutParams) -> np.ndarray:
     return generate(p.input_scale, p.input_zero_point)
 
 
-DERIVE = {ConvParams: conv_multipliers, AddParams: add_multipliers, MeanParams: mean_multiplier,
+DERIVE = {ConvParams: conv_multipliers, ElementwiseParams: elementwise_multipliers, MeanParams: mean_multiplier,
           PoolParams: no_multipliers, ReshapeParams: no_multipliers, LutParams: lut_table,
-          ConcatParams: no_multipliers, PadParams: no_multipliers}
+          ConcatParams: no_multipliers, PadParams: no_multipliers,
+          SoftmaxParams: softmax_multiplier}
 
 
 def derive_multipliers(p: NpuParams):

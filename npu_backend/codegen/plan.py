@@ -22,8 +22,8 @@ from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                      PoolParams, ReshapeParams)
+from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
+                      PoolParams, ReshapeParams, SoftmaxParams)
 
 SRAM_ALIGN = 16
 
@@ -148,7 +148,7 @@ class MeanPlan:
     ofm_address: int
 
 
-def plan_add(p: AddParams, config: NpuConfig) -> ElementwisePlan:
+def plan_elementwise(p: ElementwiseParams, config: NpuConfig) -> ElementwisePlan:
     """Largest element chunk such that both inputs and the output fit side by side."""
     total = math.prod(p.shape)
     chunk = min(total, (config.sram_bytes // 3) // SRAM_ALIGN * SRAM_ALIGN)
@@ -156,6 +156,24 @@ def plan_add(p: AddParams, config: NpuConfig) -> ElementwisePlan:
         raise UnsupportedOpError(f"the {config.sram_bytes}-byte SRAM cannot hold three elementwise operands")
     stride = _align(chunk)
     return ElementwisePlan(chunk, 0, stride, 2 * stride)
+
+
+@dataclass(frozen=True)
+class SoftmaxPlan:
+    rows: int
+    """Rows (softmax vectors) per chunk."""
+    ifm_address: int
+    ofm_address: int
+
+
+def plan_softmax(p: SoftmaxParams, config: NpuConfig) -> SoftmaxPlan:
+    """Most whole rows whose input and output fit side by side (a row is never split: its sum needs all of it)."""
+    depth, rows = p.shape[-1], math.prod(p.shape[:-1])
+    chunk = min(rows, (config.sram_bytes // 2 - SRAM_ALIGN) // depth)
+    if chunk < 1:
+        raise UnsupportedOpError(f"a softmax row of {depth} elements and its output do not fit the "
+                                 f"{config.sram_bytes}-byte SRAM")
+    return SoftmaxPlan(chunk, 0, _align(chunk * depth))
 
 
 def plan_mean(p: MeanParams, config: NpuConfig) -> MeanPlan:
@@ -217,9 +235,9 @@ def plan_pad(p: PadParams, config: NpuConfig) -> int:
     return min(rows, height + p.padding[0] + p.padding[2])
 
 
-PLANNERS = {ConvParams: plan_layer, AddParams: plan_add, MeanParams: plan_mean, PoolParams: plan_layer,
+PLANNERS = {ConvParams: plan_layer, ElementwiseParams: plan_elementwise, MeanParams: plan_mean, PoolParams: plan_layer,
             ReshapeParams: plan_copy, LutParams: plan_lut, ConcatParams: plan_concat,
-            PadParams: plan_pad}
+            PadParams: plan_pad, SoftmaxParams: plan_softmax}
 
 
 def plan(p: NpuParams, config: NpuConfig):

@@ -23,8 +23,8 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..params import (AddParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams)
+from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
+                      ReshapeParams, SoftmaxParams)
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -220,15 +220,26 @@ def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams
         rounding=Rounding.FLOAT64 if per_channel else Rounding.TFLITE_DOUBLE)
 
 
-def extract_add(annotations: Mapping[str, relax.Expr]) -> AddParams:
-    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
-    x2, in2_scale, in2_zp = _dequantized_int8(annotations, "input2", "input2_dq", "second input")
-    shape, shape2 = _shape(x), _shape(x2)
-    if shape != shape2:
-        raise UnsupportedOpError(f"broadcasting add ({list(shape)} + {list(shape2)}) is not supported")
-    return AddParams(op=NpuOp.ADD, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
-                     input2_scale=in2_scale, input2_zero_point=in2_zp, output_scale=out_scale,
-                     output_zero_point=out_zp, clamp=_clamp(annotations))
+def _elementwise(op: NpuOp, verb: str):
+    """Extraction of a binary int8 operator: both inputs dequantized per tensor, same shape, requantized."""
+
+    def extract(annotations: Mapping[str, relax.Expr]) -> ElementwiseParams:
+        x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+        x2, in2_scale, in2_zp = _dequantized_int8(annotations, "input2", "input2_dq", "second input")
+        shape, shape2 = _shape(x), _shape(x2)
+        if shape != shape2:
+            raise UnsupportedOpError(f"broadcasting {verb} ({list(shape)} and {list(shape2)}) is not supported")
+        return ElementwiseParams(op=op, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
+                                 input2_scale=in2_scale, input2_zero_point=in2_zp, output_scale=out_scale,
+                                 output_zero_point=out_zp, clamp=_clamp(annotations))
+
+    extract.__doc__ = f"TFLite int8 {op.name}: {verb} of two same-shaped tensors."
+    return extract
+
+
+extract_add = _elementwise(NpuOp.ADD, "add")
+extract_subtract = _elementwise(NpuOp.SUBTRACT, "subtract")
+extract_multiply = _elementwise(NpuOp.MULTIPLY, "multiply")
 
 
 def extract_mean(annotations: Mapping[str, relax.Expr]) -> MeanParams:
@@ -353,3 +364,21 @@ def extract_hard_swish(annotations: Mapping[str, relax.Expr]) -> LutParams:
             3.0, 6.0, 0.0, 6.0):
         raise UnsupportedOpError("not x * relu6(x + 3) / 6")
     return _activation(annotations, NpuOp.HARD_SWISH)
+
+
+SOFTMAX_OUTPUT = (1.0 / 256, -128)
+"""TFLite's int8 SOFTMAX only exists with this output scale and zero point."""
+
+
+def extract_softmax(annotations: Mapping[str, relax.Expr]) -> SoftmaxParams:
+    """int8 softmax over the last axis (TVM's importer spells TFLite SOFTMAX as QDQ around ``nn.softmax``)."""
+    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    shape = _shape(x)
+    axis = int(annotations["anchor"].attrs.axis)
+    if axis % len(shape) != len(shape) - 1:
+        raise UnsupportedOpError(f"softmax over axis {axis} is not over the last axis")
+    if (out_scale, out_zp) != (float(np.float32(SOFTMAX_OUTPUT[0])), SOFTMAX_OUTPUT[1]):
+        raise QParamError(f"int8 SOFTMAX needs output scale {SOFTMAX_OUTPUT[0]:g} and zero point "
+                          f"{SOFTMAX_OUTPUT[1]}, got {out_scale:g} and {out_zp}")
+    return SoftmaxParams(op=NpuOp.SOFTMAX, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
+                         output_scale=out_scale, output_zero_point=out_zp)

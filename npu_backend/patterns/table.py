@@ -20,11 +20,12 @@ from simulator.config import NpuConfig, get_config
 
 from ..errors import NpuError
 from ..params import NpuParams
+from ..reference import Reference, follow_reference
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
-from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_hard_swish, extract_leaky_relu,
-                      extract_pad, extract_conv2d, extract_depthwise_conv2d,
-                      extract_fully_connected, extract_max_pool2d, extract_mean, extract_reshape,
-                      extract_requantize, extract_sigmoid, extract_tanh)
+from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
+                      extract_fully_connected, extract_hard_swish, extract_leaky_relu, extract_max_pool2d,
+                      extract_mean, extract_multiply, extract_pad, extract_requantize, extract_reshape,
+                      extract_sigmoid, extract_softmax, extract_subtract, extract_tanh)
 
 PREFIX = "npu"
 
@@ -76,15 +77,20 @@ def matmul_pattern(with_clip: bool):
     return _quantized(matmul, annotations, with_clip)
 
 
-def add_pattern(with_clip: bool):
-    """add of two dequantized int8 tensors, requantized."""
-    x, input_dq = _dequantized_input()
-    x2, input2_dq = _dequantized_input()
-    add = is_op("relax.add")(input_dq, input2_dq)
-    quantize = is_op("relax.quantize")(add, is_const(), is_const())
-    annotations = dict(input=x, input_dq=input_dq, input2=x2, input2_dq=input2_dq, anchor=add,
-                       quantize=quantize)
-    return _with_clip(quantize, annotations, with_clip)
+def binary_pattern(op_name: str):
+    """op of two dequantized int8 tensors, requantized (TFLite ADD, SUB, MUL)."""
+
+    def build(with_clip: bool):
+        x, input_dq = _dequantized_input()
+        x2, input2_dq = _dequantized_input()
+        binary = is_op(op_name)(input_dq, input2_dq)
+        quantize = is_op("relax.quantize")(binary, is_const(), is_const())
+        annotations = dict(input=x, input_dq=input_dq, input2=x2, input2_dq=input2_dq, anchor=binary,
+                           quantize=quantize)
+        return _with_clip(quantize, annotations, with_clip)
+
+    build.__doc__ = f"quantize({op_name}(dequantize(a), dequantize(b))) [-> int8 clip]."
+    return build
 
 
 def mean_pattern(with_clip: bool):
@@ -189,7 +195,9 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.conv2d", conv2d_pattern, extract_conv2d),
     PatternEntry(f"{PREFIX}.depthwise_conv2d", conv2d_pattern, extract_depthwise_conv2d),
     PatternEntry(f"{PREFIX}.fully_connected", matmul_pattern, extract_fully_connected),
-    PatternEntry(f"{PREFIX}.add", add_pattern, extract_add, rules=ELEMENTWISE_RULES),
+    PatternEntry(f"{PREFIX}.add", binary_pattern("relax.add"), extract_add, rules=ELEMENTWISE_RULES),
+    PatternEntry(f"{PREFIX}.subtract", binary_pattern("relax.subtract"), extract_subtract, rules=ELEMENTWISE_RULES),
+    PatternEntry(f"{PREFIX}.multiply", binary_pattern("relax.multiply"), extract_multiply, rules=ELEMENTWISE_RULES),
     PatternEntry(f"{PREFIX}.mean", mean_pattern, extract_mean, rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.max_pool2d", max_pool_pattern, extract_max_pool2d, rules=POOL_RULES),
     PatternEntry(f"{PREFIX}.avg_pool2d", avg_pool_pattern, extract_avg_pool2d, rules=POOL_RULES),
@@ -204,6 +212,8 @@ OPERATORS = (
                  rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.requantize", requantize_pattern, extract_requantize, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
+    PatternEntry(f"{PREFIX}.softmax", activation_pattern("relax.nn.softmax"), extract_softmax,
+                 rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.pad", pad_pattern, extract_pad, rules=(tiles_fit_sram,), clip_variant=False),
     *(PatternEntry(f"{PREFIX}.concat", concat_pattern(arity), extract_concat, rules=(tiles_fit_sram,),
                    clip_variant=False) for arity in range(2, MAX_CONCAT_INPUTS + 1)),
@@ -225,7 +235,13 @@ class Rejection:
 @dataclass
 class PartitionContext:
     config: NpuConfig
+    reference: Reference = Reference.TFLITE
     rejections: list[Rejection] = field(default_factory=list)
+
+
+def extract_params(entry: PatternEntry, annotations: Mapping, reference: Reference) -> NpuParams:
+    """The one extraction the check and the composite annotation share, in the reference's rounding."""
+    return follow_reference(entry.extract(annotations), reference)
 
 
 ACTIVE_CONTEXT: contextvars.ContextVar[PartitionContext | None] = contextvars.ContextVar(
@@ -243,7 +259,8 @@ def _make_check(entry: PatternEntry):
             reason = "an intermediate result is also used outside the fused operator"
         else:
             try:
-                reason = first_violation(entry.extract(annotations), active.config, entry.rules)
+                reason = first_violation(extract_params(entry, annotations, active.reference), active.config,
+                                         entry.rules)
             except NpuError as exc:
                 reason = str(exc)
             except Exception as exc:  # an idiom variant the extraction did not foresee: host, not a crash
