@@ -20,7 +20,7 @@ from simulator.config import DEFAULT_PRESET, PRESETS, NpuConfig, get_config
 
 from . import codegen
 from .errors import ModelImportError, NpuError, QParamError, UnsupportedOpError
-from .frontend import load_tflite
+from .frontend import load_model, load_onnx, load_tflite
 from .partition import partition_for_npu
 from .patterns import register_table
 from .profiling import Profile, profile
@@ -40,6 +40,6 @@ def build(mod: tvm.IRModule, target: str = "llvm", preset: str = DEFAULT_PRESET)
 
 __all__ = [
     "build", "partition_for_npu", "partition_report", "PartitionReport", "profile", "Profile",
-    "load_tflite", "codegen", "NpuError", "ModelImportError", "QParamError", "UnsupportedOpError",
+    "load_tflite", "load_onnx", "load_model", "codegen", "NpuError", "ModelImportError", "QParamError", "UnsupportedOpError",
     "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config",
 ]

@@ -38,6 +38,7 @@ from tvm.relax.dpl.pattern import is_const, is_op, wildcard
 from tvm.relax.dpl.rewrite import rewrite_call
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
+from .layout import convert_to_nhwc
 from .qparams import TensorQParams, infer_qparams, per_tensor_qparams
 
 
@@ -160,6 +161,39 @@ def _rewrite_integer_mean(graph: "_GraphFacts"):
     return root, rewriter
 
 
+def _rewrite_constant_layout(graph: "_GraphFacts"):
+    """``permute_dims`` / ``reshape`` of a dequantized constant, done at compile time.
+
+    ONNX Gemm transposes its dequantized weights, biases are reshaped to
+    [1, C, 1, 1], TFLite's depthwise weights are reshaped to HWOI: folded, each
+    is one dequantized constant whose per-channel axis follows its dimension.
+    """
+    raw = is_const()
+    dequantized = is_op("relax.dequantize")(raw, is_const(), is_const())
+    root = is_op("relax.permute_dims")(dequantized) | is_op("relax.reshape")(dequantized, wildcard())
+
+    def rewriter(orig, matched):
+        dq, values = matched[dequantized], _const_array(matched[raw])
+        per_channel = _const_array(dq.args[1]).size > 1
+        axis = int(dq.attrs.axis) % max(values.ndim, 1)
+        if _is_call(orig, "relax.permute_dims"):
+            axes = ([int(a) for a in orig.attrs.axes] if orig.attrs.axes is not None
+                    else list(reversed(range(values.ndim))))
+            folded, new_axis = np.transpose(values, axes), axes.index(axis) if per_channel else 0
+        else:
+            target = tuple(int(d) for d in orig.ty.shape.values)
+            folded, new_axis = values.reshape(target), 0
+            if per_channel:  # only unit dimensions may come or go, or the channel axis has no meaning left
+                kept, placed = ([i for i, d in enumerate(shape) if d != 1] for shape in (values.shape, target))
+                if [values.shape[i] for i in kept] != [target[i] for i in placed] or axis not in kept:
+                    return orig
+                new_axis = placed[kept.index(axis)]
+        return relax.op.dequantize(relax.const(np.ascontiguousarray(folded)), dq.args[1], dq.args[2], axis=new_axis,
+                                   out_dtype=str(dq.attrs.out_dtype))
+
+    return root, rewriter
+
+
 @dataclass(frozen=True)
 class _GraphFacts:
     """What rewriters may ask of the function being canonicalized."""
@@ -177,8 +211,10 @@ class _GraphFacts:
         return self.var2val.get(expr, expr)
 
 
-REWRITES = (_rewrite_integer_conv, _rewrite_unequal_concat, _rewrite_integer_mean)
-"""Each builds (pattern, rewriter) for one idiom; applied in order."""
+REWRITES = (_rewrite_constant_layout, _rewrite_constant_layout, _rewrite_integer_conv, _rewrite_unequal_concat,
+            _rewrite_integer_mean)
+"""Each builds (pattern, rewriter) for one idiom; applied in order (the constant fold twice: a bias is
+reshaped, then transposed by the layout conversion)."""
 
 
 
@@ -212,15 +248,22 @@ class _UniqueNames(PyExprMutator):
 
 
 def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
-    """Rewrite the quantized idioms of every Relax function into the canonical QDQ form."""
+    """Rewrite the quantized idioms of every Relax function into the canonical QDQ form.
+
+    NCHW graphs are first converted to NHWC (:mod:`npu_backend.layout`); bindings
+    a rewrite made dead are removed, so the partition report lists only operators
+    that run.
+    """
     out = mod.clone()
     for gvar, func in mod.functions_items():
         if not isinstance(func, relax.Function) or (func.attrs is not None and "Codegen" in func.attrs):
             continue
-        rewritten = func
+        rewritten = convert_to_nhwc(func)
         for make_rewrite in REWRITES:
             var2val = relax.analysis.get_var2val(rewritten)
             graph = _GraphFacts(infer_qparams(rewritten), {v: k for k, v in var2val.items()}, var2val)
             rewritten = rewrite_call(*make_rewrite(graph), rewritten)
-        out[gvar] = rewritten if rewritten.same_as(func) else _UniqueNames().visit_expr(rewritten)
+        if not rewritten.same_as(func):
+            rewritten = relax.analysis.remove_all_unused(_UniqueNames().visit_expr(rewritten))
+        out[gvar] = rewritten
     return out

@@ -7,6 +7,7 @@ from pathlib import Path
 import tvm
 
 from .errors import ModelImportError
+from .reference import mark_source
 
 TFLITE_IDENTIFIER = b"TFL3"
 
@@ -24,7 +25,44 @@ def load_tflite(path: str | Path) -> tvm.IRModule:
     from tvm.relax.frontend.tflite import from_tflite
 
     try:
-        return from_tflite(tflite.Model.GetRootAsModel(data, 0))
+        return mark_source(from_tflite(tflite.Model.GetRootAsModel(data, 0)), "tflite")
     except Exception as exc:  # the importer raises assorted types; the user needs one line
-        first_line = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
-        raise ModelImportError(f"TVM's TFLite importer rejected {path.name}: {first_line}") from None
+        raise ModelImportError(f"TVM's TFLite importer rejected {path.name}: {_last_line(exc)}") from None
+
+
+def _last_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+
+
+def load_onnx(path: str | Path) -> tvm.IRModule:
+    """Import an .onnx file (e.g. a QDQ model from onnxruntime's ``quantize_static``) with TVM's ONNX frontend.
+
+    Constants stay in the graph (``keep_params_in_input=False``) and nothing is
+    folded, so quantized weights reach the pattern table as int8 constants
+    under their ``dequantize``.
+    """
+    path = Path(path)
+    import onnx
+    from tvm.relax.frontend.onnx import from_onnx
+
+    try:
+        model = onnx.load_model_from_string(path.read_bytes())
+    except OSError as exc:
+        raise ModelImportError(f"cannot read {path}: {exc.strerror}") from None
+    except Exception as exc:  # protobuf's DecodeError and friends
+        raise ModelImportError(f"{path} is not an ONNX model: {_last_line(exc)}") from None
+    try:
+        return mark_source(from_onnx(model, keep_params_in_input=False), "onnx")
+    except Exception as exc:
+        raise ModelImportError(f"TVM's ONNX importer rejected {path.name}: {_last_line(exc)}") from None
+
+
+LOADERS = {".tflite": load_tflite, ".onnx": load_onnx}
+
+
+def load_model(path: str | Path) -> tvm.IRModule:
+    """Import a model by its file extension (.tflite or .onnx)."""
+    suffix = Path(path).suffix.lower()
+    if suffix not in LOADERS:
+        raise ModelImportError(f"{Path(path).name}: unknown model type {suffix!r} (known: {', '.join(LOADERS)})")
+    return LOADERS[suffix](path)

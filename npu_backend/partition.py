@@ -12,7 +12,8 @@ from .canonicalize import canonicalize
 from .codegen.lower import CONFIG_ATTR
 from .params import to_attrs
 from .patterns import ENTRIES_BY_NAME, PREFIX, PartitionContext, registered_patterns
-from .patterns.table import ACTIVE_CONTEXT
+from .patterns.table import ACTIVE_CONTEXT, extract_params
+from .reference import Reference, resolve_reference
 from .errors import NpuError
 from .report import NO_PATTERN, REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings
 
@@ -60,7 +61,7 @@ def _composite_sources(original: relax.Function, fused: tvm.IRModule) -> dict:
     return sources
 
 
-def _annotate_composites(original: relax.Function, mod: tvm.IRModule) -> tvm.IRModule:
+def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference: Reference) -> tvm.IRModule:
     """Write each composite's extracted qparams, and the bindings it absorbed, onto it as attributes."""
     sources = _composite_sources(original, mod)
     for gvar, func in list(mod.functions_items()):
@@ -68,7 +69,7 @@ def _annotate_composites(original: relax.Function, mod: tvm.IRModule) -> tvm.IRM
         if not name.startswith(PREFIX + "."):
             continue
         entry, annotations = _match_annotations(name, func)
-        params = entry.extract(annotations)
+        params = extract_params(entry, annotations, reference)
         mod[gvar] = func.with_attrs({**to_attrs(params), SOURCE_ATTR: sources.get(gvar, [])})
     return mod
 
@@ -120,7 +121,7 @@ def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: 
     return PartitionReport(context.config.name, tuple(rows))
 
 
-def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET) -> tvm.IRModule:
+def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET, reference: str = "auto") -> tvm.IRModule:
     """Split a quantized Relax module into NPU regions (``Codegen="npu"``) and host code.
 
     Parameters
@@ -129,6 +130,11 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET) -> tvm.IR
         A module as TVM's importers produce it (e.g. ``from_tflite``), entry ``main``.
     preset : str
         Hardware preset whose limits the pattern checks apply (see ``simulator.PRESETS``).
+    reference : str
+        Whose integer results to reproduce: ``"tflite"`` (fixed-point requantization, round half
+        away from zero), ``"onnxruntime"`` (exact value, round half to even), or ``"auto"``: the
+        source the loader recorded on the module, TFLite when there is none (see
+        :mod:`npu_backend.reference`).
 
     Returns
     -------
@@ -145,14 +151,14 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET) -> tvm.IR
     if not isinstance(mod, tvm.IRModule) or "main" not in mod:
         raise NpuError("partition_for_npu needs an IRModule with a 'main' function")
     original = relax.transform.ConvertToDataflow()(canonicalize(mod))
-    context = PartitionContext(config)
+    context = PartitionContext(config, resolve_reference(mod, reference))
     token = ACTIVE_CONTEXT.set(context)
     try:
         fused = relax.transform.FuseOpsByPattern(registered_patterns(), bind_constants=True,
                                                  annotate_codegen=False)(original)
     finally:
         ACTIVE_CONTEXT.reset(token)
-    fused = _annotate_composites(original["main"], fused)
+    fused = _annotate_composites(original["main"], fused, context.reference)
     merged = relax.transform.MergeCompositeFunctions()(fused)
     partitioned = _name_regions(merged, config.name)
     report = _build_report(original["main"], partitioned, context)

@@ -1,0 +1,82 @@
+"""NCHW -> NHWC: ONNX QDQ graphs reach the pattern table in the NPU's layout, transposing only int8 data."""
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import numpy_helper
+from tvm import relax
+
+import npu_backend
+from conftest import FIXTURES
+from npu_backend.canonicalize import canonicalize
+from npu_backend.layout import convert_to_nhwc
+
+ONNX = FIXTURES / "onnx"
+
+
+def _calls(func, name):
+    return [b.value for block in func.body.blocks for b in block.bindings
+            if isinstance(b.value, relax.Call) and isinstance(b.value.op, tvm.ir.Op) and b.value.op.name == name]
+
+
+@pytest.mark.parametrize("model, transposes", [("conv_relu_per_channel_asymmetric", 2), ("residual", 2),
+                                               ("concat", 2), ("global_avgpool", 2), ("gemm", 0)])
+def test_transposes_only_at_the_graph_edges_and_only_of_int8(model, transposes):
+    main = canonicalize(npu_backend.load_onnx(ONNX / f"{model}.onnx"))["main"]
+    permutes = _calls(main, "relax.permute_dims")
+    assert len(permutes) == transposes
+    assert all(str(p.args[0].ty.dtype) == "int8" for p in permutes)
+    for conv in _calls(main, "relax.nn.conv2d"):
+        assert (str(conv.attrs.data_layout), str(conv.attrs.kernel_layout)) == ("NHWC", "HWIO")
+
+
+def test_weights_are_transposed_at_compile_time_with_their_channel_axis():
+    model = onnx.load(ONNX / "conv_relu_per_channel_asymmetric.onnx")
+    oihw = next(numpy_helper.to_array(t) for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8
+                and len(t.dims) == 4)
+    main = canonicalize(npu_backend.load_onnx(ONNX / "conv_relu_per_channel_asymmetric.onnx"))["main"]
+    (conv,) = _calls(main, "relax.nn.conv2d")
+    weight_dq = relax.analysis.get_var2val(main)[conv.args[1]]
+    np.testing.assert_array_equal(weight_dq.args[0].value.numpy(), np.transpose(oihw, (2, 3, 1, 0)))
+    assert int(weight_dq.attrs.axis) == 3 and weight_dq.args[1].value.numpy().size == 16
+
+
+def test_bias_reshaped_for_nchw_becomes_one_dequantized_constant():
+    main = canonicalize(npu_backend.load_onnx(ONNX / "conv_relu_per_channel_asymmetric.onnx"))["main"]
+    assert _calls(main, "relax.reshape") == []
+    var2val = relax.analysis.get_var2val(main)
+    (add,) = _calls(main, "relax.add")
+    bias = var2val[add.args[1]]
+    assert bias.op.name == "relax.dequantize" and tuple(bias.ty.shape.values) == (1, 1, 1, 16)
+    assert int(bias.attrs.axis) == 3
+
+
+def test_nhwc_graphs_are_left_alone():
+    from relax_idioms import ConvIdiom
+
+    func = ConvIdiom().module()["main"]
+    assert convert_to_nhwc(func).same_as(func)
+
+
+def test_an_operator_that_needs_nchw_gets_it_back_by_one_transpose():
+    """A reshape after an NCHW conv sees NCHW data: one int8 transpose before it, none after the conv's input."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 6, 6), "int8"))
+    f32 = lambda v: relax.const(np.float32(v))  # noqa: E731
+    i8 = lambda v: relax.const(np.int8(v))  # noqa: E731
+    w = np.random.default_rng(0).integers(-127, 128, (8, 4, 3, 3), dtype=np.int8)
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dx = bb.emit(relax.op.dequantize(x, f32(0.1), i8(3), axis=1))
+            dw = bb.emit(relax.op.dequantize(relax.const(w), f32(0.01), i8(0), axis=0))
+            conv = bb.emit(relax.op.nn.conv2d(dx, dw, padding=(1, 1, 1, 1)))
+            q = bb.emit(relax.op.quantize(conv, f32(0.2), i8(-1), axis=1, out_dtype="int8"))
+            gv = bb.emit_output(relax.op.reshape(q, (1, 288)))
+        bb.emit_func_output(gv)
+    main = canonicalize(bb.get())["main"]
+    permutes = _calls(main, "relax.permute_dims")
+    assert [tuple(int(a) for a in p.attrs.axes) for p in permutes] == [(0, 2, 3, 1), (0, 3, 1, 2)]
+    assert all(str(p.args[0].ty.dtype) == "int8" for p in permutes)
+    (reshape,) = _calls(main, "relax.reshape")
+    assert tuple(reshape.args[0].ty.shape.values) == (1, 8, 6, 6)
