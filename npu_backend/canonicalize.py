@@ -194,6 +194,38 @@ def _rewrite_constant_layout(graph: "_GraphFacts"):
     return root, rewriter
 
 
+def _rewrite_float_activation(graph: "_GraphFacts"):
+    """``quantize(relu(y))`` / ``quantize(clip(y, 0, hi))``: a fused activation applied in float.
+
+    TVM's TFLite importer writes ADD's fused RELU this way, ONNX graphs every
+    Relu/Clip. Quantization is monotonic, so ``quantize(max(y, 0)) ==
+    max(quantize(y), quantize(0))`` exactly: the activation becomes the int8
+    clamp ``[z, q(hi)]`` the pattern table already knows. A bound whose scaled
+    value is a rounding tie (which rounding convention decides) is left alone.
+    """
+    y = wildcard()
+    relu = is_op("relax.nn.relu")(y)
+    clip = is_op("relax.clip")(y, wildcard(), wildcard())
+    root = is_op("relax.quantize")(relu | clip, is_const(), is_const())
+
+    def rewriter(orig, matched):
+        qp = per_tensor_qparams(orig)
+        if qp is None or str(orig.attrs.out_dtype) != "int8":
+            return orig
+        activation = matched[relu] if relu in matched else matched[clip]
+        high = 127
+        if _is_call(activation, "relax.clip"):
+            low, top = (float(getattr(a.value, "value", a.value)) for a in activation.args[1:3])
+            scaled = float(np.float32(top) / np.float32(qp.scale))
+            if low != 0.0 or scaled - np.floor(scaled) == 0.5:
+                return orig
+            high = int(min(127, max(-128, np.rint(scaled) + qp.zero_point)))
+        low_q = max(-128, min(127, qp.zero_point))
+        return relax.op.clip(_requantized_like(orig, matched[y]), float(low_q), float(high))
+
+    return root, rewriter
+
+
 @dataclass(frozen=True)
 class _GraphFacts:
     """What rewriters may ask of the function being canonicalized."""
@@ -211,8 +243,8 @@ class _GraphFacts:
         return self.var2val.get(expr, expr)
 
 
-REWRITES = (_rewrite_constant_layout, _rewrite_constant_layout, _rewrite_integer_conv, _rewrite_unequal_concat,
-            _rewrite_integer_mean)
+REWRITES = (_rewrite_constant_layout, _rewrite_constant_layout, _rewrite_float_activation, _rewrite_integer_conv,
+            _rewrite_unequal_concat, _rewrite_integer_mean)
 """Each builds (pattern, rewriter) for one idiom; applied in order (the constant fold twice: a bias is
 reshaped, then transposed by the layout conversion)."""
 
@@ -247,6 +279,70 @@ class _UniqueNames(PyExprMutator):
         return self._fresh(var, relax.DataflowVar)
 
 
+@mutator
+class _DequantizePerUse(PyExprMutator):
+    """Give every consumer of a shared ``dequantize`` its own copy.
+
+    TFLite's importer writes one dequantize per consumer, but rebuilding a
+    function merges identical bindings, and ONNX graphs share them natively
+    (a residual block's input feeds a convolution and the skip addition). A
+    fused composite absorbs its input dequantize, which it cannot do if that
+    float tensor is also used outside it; a dequantize costs nothing to repeat.
+    """
+
+    def __init__(self, shared: dict):
+        super().__init__()
+        self.shared = shared  # var -> dequantize call
+
+    def _own_copies(self, expr):
+        if isinstance(expr, relax.Var) and expr in self.shared:
+            call = self.shared[expr]
+            copy = relax.Call(call.op, [self.visit_expr(a) for a in call.args], call.attrs, call.ty_args)
+            return self.builder_.emit(copy, name_hint=expr.name)
+        if isinstance(expr, relax.Tuple):
+            return relax.Tuple([self._own_copies(f) for f in expr.fields])
+        return self.visit_expr(expr)
+
+    def visit_var_binding_(self, binding):
+        if binding.var in self.shared:
+            return  # emitted at each use instead
+        value = binding.value
+        if isinstance(value, relax.Call):
+            value = relax.Call(value.op, [self._own_copies(a) for a in value.args], value.attrs, value.ty_args)
+        elif isinstance(value, relax.Tuple):
+            value = self._own_copies(value)
+        else:
+            value = self.visit_expr(value)
+        if isinstance(binding.var, relax.DataflowVar) or not self.builder_.current_block_is_dataflow():
+            new_var = self.builder_.emit(value, name_hint=binding.var.name)
+        else:  # a dataflow block's output
+            new_var = self.builder_.emit_output(value, name_hint=binding.var.name)
+        self.set_var_remap(binding.var, new_var)
+
+
+def _shared_dequantizes(func: relax.Function) -> dict:
+    uses: dict = {}
+
+    def count(expr):
+        if isinstance(expr, relax.Var):
+            uses[expr] = uses.get(expr, 0) + 1
+        elif isinstance(expr, (relax.Call, relax.Tuple)):
+            for a in (expr.args if isinstance(expr, relax.Call) else expr.fields):
+                count(a)
+
+    bindings = [b for block in func.body.blocks for b in block.bindings]
+    for b in bindings:
+        count(b.value)
+    count(func.body.body)
+    return {b.var: b.value for b in bindings
+            if _is_call(b.value, "relax.dequantize") and uses.get(b.var, 0) > 1 and b.var != func.body.body}
+
+
+def one_dequantize_per_use(func: relax.Function) -> relax.Function:
+    shared = _shared_dequantizes(func)
+    return func if not shared else _DequantizePerUse(shared).visit_expr(func)
+
+
 def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
     """Rewrite the quantized idioms of every Relax function into the canonical QDQ form.
 
@@ -263,6 +359,7 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
             var2val = relax.analysis.get_var2val(rewritten)
             graph = _GraphFacts(infer_qparams(rewritten), {v: k for k, v in var2val.items()}, var2val)
             rewritten = rewrite_call(*make_rewrite(graph), rewritten)
+        rewritten = one_dequantize_per_use(rewritten)
         if not rewritten.same_as(func):
             rewritten = relax.analysis.remove_all_unused(_UniqueNames().visit_expr(rewritten))
         out[gvar] = rewritten

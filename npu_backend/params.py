@@ -13,7 +13,10 @@ fields they have (one name per fact across all records), plus
 ``npu.input2_scale`` / ``npu.input2_zero_point`` for the second operand of
 ``npu.add``, ``npu.subtract`` and ``npu.multiply``, ``npu.beta`` for ``npu.softmax`` and ``npu.shape`` for elementwise shapes; qparam-transparent ops
 (pooling, reshape) carry none, since they cannot change them. Every composite
-also carries ``npu.source_vars``, the bindings of the input graph it absorbed.
+also carries ``npu.source_vars``, the bindings of the input graph it absorbed,
+and ``npu.operands``: the indices of its parameters in operand order (input,
+second input; concat inputs in order), since a composite's parameters come in
+order of first use in its body, which says nothing about their roles.
 
 =========================  ===========================================================
 ``npu.op``                 operator kind (the :class:`NpuOp` member name, e.g. ``CONV2D``)
@@ -215,6 +218,14 @@ class SoftmaxParams:
     beta: float = 1.0
     rounding: Rounding = Rounding.TFLITE_DOUBLE
     """Only TFLite's integer softmax exists on the NPU; onnxruntime's float softmax stays on the host."""
+
+
+OPERANDS_ATTR = "npu.operands"
+"""Composite attribute: parameter indices in operand order (see the module docstring)."""
+
+OPERAND_ROLES = ("input", *(f"input{i}" for i in range(16)))
+"""Pattern annotations naming a composite's operands, in operand order (``input2`` is both the second
+addend of a binary op and the third input of a concat; no pattern has both)."""
 
 
 NpuParams = (ConvParams | ElementwiseParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams

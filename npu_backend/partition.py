@@ -10,7 +10,7 @@ from simulator.config import DEFAULT_PRESET, get_config
 
 from .canonicalize import canonicalize
 from .codegen.lower import CONFIG_ATTR
-from .params import to_attrs
+from .params import OPERAND_ROLES, OPERANDS_ATTR, to_attrs
 from .patterns import ENTRIES_BY_NAME, PREFIX, PartitionContext, registered_patterns
 from .patterns.table import ACTIVE_CONTEXT, extract_params
 from .reference import Reference, resolve_reference
@@ -61,6 +61,16 @@ def _composite_sources(original: relax.Function, fused: tvm.IRModule) -> dict:
     return sources
 
 
+def _operand_order(func: relax.Function, annotations: dict) -> list[int]:
+    """Indices of the composite's parameters in operand order (input, input2, ...)."""
+    index = {param: i for i, param in enumerate(func.params)}
+    operands = [annotations[role] for role in OPERAND_ROLES if role in annotations]
+    missing = [op for op in operands if op not in index]
+    if missing or len(operands) != len(func.params):
+        raise RuntimeError(f"internal error: operands of {func.attrs['Composite']} are not its parameters")
+    return [index[op] for op in operands]
+
+
 def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference: Reference) -> tvm.IRModule:
     """Write each composite's extracted qparams, and the bindings it absorbed, onto it as attributes."""
     sources = _composite_sources(original, mod)
@@ -70,7 +80,8 @@ def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference:
             continue
         entry, annotations = _match_annotations(name, func)
         params = extract_params(entry, annotations, reference)
-        mod[gvar] = func.with_attrs({**to_attrs(params), SOURCE_ATTR: sources.get(gvar, [])})
+        mod[gvar] = func.with_attrs({**to_attrs(params), SOURCE_ATTR: sources.get(gvar, []),
+                                     OPERANDS_ATTR: _operand_order(func, annotations)})
     return mod
 
 

@@ -16,6 +16,12 @@ from conftest import FIXTURES, tflite_manifest
 
 
 
+def model_inputs(golden) -> list:
+    """The stacked samples of each model input, in order: ``inputs``, then ``inputs1``, ``inputs2``, ..."""
+    extra = sorted((k for k in golden.files if k.startswith("inputs") and k != "inputs"), key=lambda k: int(k[6:]))
+    return [golden["inputs"], *(golden[k] for k in extra)]
+
+
 @pytest.mark.parametrize("entry", tflite_manifest(), ids=lambda e: e["name"])
 def test_model_is_offloaded_and_bit_exact(entry):
     model = FIXTURES / "tflite" / entry["file"]
@@ -25,9 +31,9 @@ def test_model_is_offloaded_and_bit_exact(entry):
     assert report.npu_ops and not report.host_ops, report.format_table()
     vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
     assert len(golden["inputs"]) >= 8
-    for x, expected in zip(golden["inputs"], golden["outputs"]):
+    for sample, expected in zip(zip(*model_inputs(golden)), golden["outputs"]):
         with npu_backend.profile() as prof:
-            got = vm["main"](tvm.runtime.tensor(x)).numpy()
+            got = vm["main"](*[tvm.runtime.tensor(x) for x in sample]).numpy()
         assert prof.runs and prof.total_cycles > 0, "nothing ran on the NPU"
         mismatched = int(np.count_nonzero(got != expected))
         assert mismatched == 0, f"{mismatched} of {got.size} elements differ from TFLite BUILTIN_REF"

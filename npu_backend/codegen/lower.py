@@ -19,7 +19,7 @@ from simulator.numerics import ADD_LEFT_SHIFT
 
 from ..errors import UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams, SoftmaxParams, from_attrs)
+                      ReshapeParams, SoftmaxParams, OPERANDS_ATTR, from_attrs)
 from .multipliers import conv_multipliers, elementwise_multipliers, lut_table, mean_multiplier, softmax_multiplier
 from .plan import (LayerGeometry, TilePlan, plan_elementwise, plan_softmax, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean,
                    plan_pad)
@@ -308,7 +308,8 @@ def lower_region(func: relax.Function, symbol: str) -> CommandStream:
             layer_index += 1
             if binding.var not in values:
                 values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, _shape_of(binding.var))
-            LOWERINGS[params.op](sb, params, layer, [values[arg] for arg in value.args], values[binding.var])
+            operands = [value.args[int(i)] for i in callee.attrs[OPERANDS_ATTR]]
+            LOWERINGS[params.op](sb, params, layer, [values[arg] for arg in operands], values[binding.var])
     return CommandStream(name=symbol, config=config.name, buffers=tuple(sb.buffers),
                          commands=tuple(sb.commands))
 

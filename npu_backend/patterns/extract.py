@@ -363,6 +363,8 @@ def extract_hard_swish(annotations: Mapping[str, relax.Expr]) -> LutParams:
     if three.size != 1 or six.size != 1 or (float(three.reshape(-1)[0]), float(six.reshape(-1)[0]), low, high) != (
             3.0, 6.0, 0.0, 6.0):
         raise UnsupportedOpError("not x * relu6(x + 3) / 6")
+    if _int8_qparams(annotations["input_dq"], "input") != _int8_qparams(annotations["input_dq2"], "input"):
+        raise QParamError("the two uses of x are dequantized with different qparams")
     return _activation(annotations, NpuOp.HARD_SWISH)
 
 

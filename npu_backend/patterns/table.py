@@ -138,13 +138,18 @@ def activation_pattern(op_name: str):
 
 
 def hard_swish_pattern(with_clip: bool):
-    """quantize(x * clip(x + 3, 0, 6) / 6) of x = dequantize(...): TVM's spelling of int8 HARD_SWISH."""
+    """quantize(x * clip(x + 3, 0, 6) / 6) of x = dequantize(...): TVM's spelling of int8 HARD_SWISH.
+
+    The canonical graph dequantizes once per use, so x is two dequantizes of the same int8 tensor.
+    """
     x, input_dq = _dequantized_input()
+    input_dq2 = is_op("relax.dequantize")(x, is_const(), is_const())
     plus = is_op("relax.add")(input_dq, is_const())
     relu6 = is_op("relax.clip")(plus, wildcard(), wildcard())
-    scaled = is_op("relax.divide")(is_op("relax.multiply")(input_dq, relu6), is_const())
+    scaled = is_op("relax.divide")(is_op("relax.multiply")(input_dq2, relu6), is_const())
     quantize = is_op("relax.quantize")(scaled, is_const(), is_const())
-    return quantize, dict(input=x, input_dq=input_dq, plus=plus, relu6=relu6, anchor=scaled, quantize=quantize)
+    return quantize, dict(input=x, input_dq=input_dq, input_dq2=input_dq2, plus=plus, relu6=relu6, anchor=scaled,
+                          quantize=quantize)
 
 
 def requantize_pattern(with_clip: bool):
