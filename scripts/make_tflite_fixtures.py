@@ -15,6 +15,20 @@ Run from the repository root, in an environment with the `fixtures` extra
 It overwrites tests/fixtures/tflite/ and removes models no longer listed here.
 Reruns produce byte-identical files. The tests themselves never import
 TensorFlow; they only read the files written here.
+
+Each `<name>.npz` holds, for a model with N inputs (MANIFEST.json `num_inputs`),
+in the order of the TFLite subgraph's inputs, which is the order of the
+parameters of the imported Relax `main` (for several inputs this is not the
+Keras order: the converter sorts them by name, descending, so Keras inputs x0,
+x1 become file inputs x1, x0; the MANIFEST description names the file's order):
+
+    inputs, input_scale, input_zero_point              input 0: int8 (SAMPLES, *shape), its qparams
+    inputs1, input1_scale, input1_zero_point           input 1 (only if N >= 2)
+    ...                                                inputs{i}, input{i}_scale, input{i}_zero_point
+    outputs, output_scale, output_zero_point           the single output for each sample
+
+so single-input files keep exactly the keys they always had. Sample j of a
+model is `[inputs[j], inputs1[j], ...]`.
 """
 
 from __future__ import annotations
@@ -40,13 +54,37 @@ SAMPLES = 8
 CALIBRATION_SAMPLES = 20
 BN_BATCH = 16
 MAC_OPS = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"}
-TVM_REJECTS = {"PAD"}
-"""Quantized ops TVM 0.27's TFLite importer refuses; their fixtures test the error path, not the NPU."""
+TVM_REJECTS = {"PAD", "STRIDED_SLICE", "GELU"}
+"""Quantized ops TVM 0.27's TFLite importer refuses ("not supported in frontend TFLite yet"); their fixtures
+test the error path, not the NPU."""
 ACTIVATIONS: dict[str | None, Callable | None] = {None: None, "relu": tf.nn.relu, "relu6": tf.nn.relu6}
-# If MobileNetV2's logits move less than this (mean std across the sample
-# inputs, in int8 steps), they barely depend on the input: the random network
+# If a random-weight network's outputs move less than this (mean std across the
+# sample inputs, in int8 steps), they barely depend on the input: the network
 # has collapsed and the fixture would miss most arithmetic mistakes.
 MIN_NETWORK_SPREAD_LSB = 2.0
+# LiteRT's reference SOFTMAX aborts the whole process (PreprocessSoftmaxScaling)
+# when its input scale is huge, as with random-weight classifiers; refuse any
+# softmax input scale above this before running the reference.
+MAX_SOFTMAX_INPUT_SCALE = 0.1
+# In a model with several inputs, each input's converted scale must be within
+# this relative distance of (hi - lo) / 255 for its calibration range [lo, hi],
+# which confirms the calibration data reached the (named) input it was meant for.
+# (Not checked with one input: an op such as CONCATENATION may impose its own
+# qparams on the model input, as in concat_branches.)
+INPUT_SCALE_TOLERANCE = 0.03
+
+Range = float | tuple[float, float]
+"""Calibration range of one input: r means uniform [-r, r], (lo, hi) means uniform [lo, hi]."""
+
+
+def bounds(calibration_range: Range) -> tuple[float, float]:
+    if isinstance(calibration_range, tuple):
+        return calibration_range
+    return -calibration_range, calibration_range
+
+
+def show(calibration_range: Range) -> str:
+    return "[{:g}, {:g}]".format(*bounds(calibration_range))
 
 
 @dataclass(frozen=True)
@@ -56,8 +94,9 @@ class Spec:
 
     name: str
     kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" |
-    #            "tanh" | "pad" | "leaky_relu" | "hard_swish"
-    input_shape: tuple[int, ...] = (12, 12, 8)
+    #            "tanh" | "pad" | "leaky_relu" | "hard_swish" | "softmax" | "add" | "sub" | "mul" | "mean" |
+    #            "strided_slice" | "gelu" | "exp"
+    input_shape: tuple[int, ...] = (12, 12, 8)  # without the batch dimension
     kernel: int = 3
     stride: int = 1
     padding: str = "same"
@@ -66,7 +105,15 @@ class Spec:
     use_bias: bool = True
     out_channels: int = 16
     per_channel: bool = True
-    calibration_range: float = 1.0  # inputs calibrated on uniform [-r, r]
+    calibration_range: Range = 1.0  # the input is calibrated on uniform [-r, r] (or [lo, hi])
+    other_inputs: tuple[Range, ...] = ()  # binary ops: calibration ranges of inputs x1, ... (same shape as x0)
+    batch: int = 1
+    keepdims: bool = True  # mean
+    approximate: bool = False  # gelu: tanh approximation instead of erf
+
+    @property
+    def calibration_ranges(self) -> tuple[Range, ...]:
+        return self.calibration_range, *self.other_inputs
 
 
 DW_INPUT = (12, 12, 16)
@@ -100,17 +147,28 @@ SPECS = [
     Spec("tanh", "tanh", (8, 8, 16), per_channel=False, calibration_range=4.0),
     Spec("leaky_relu_0.2", "leaky_relu", (8, 8, 16), per_channel=False, calibration_range=4.0),
     Spec("hard_swish", "hard_swish", (8, 8, 16), per_channel=False, calibration_range=5.0),
+    Spec("softmax_1x10", "softmax", (10,), per_channel=False, calibration_range=4.0),
+    Spec("softmax_4x16", "softmax", (16,), batch=4, per_channel=False, calibration_range=4.0),
+    Spec("add_two_inputs", "add", (8, 8, 16), per_channel=False, calibration_range=1.0, other_inputs=(3.0,)),
+    Spec("sub_two_inputs", "sub", (8, 8, 16), per_channel=False, calibration_range=1.0, other_inputs=((-3.0, 1.0),)),
+    Spec("mul_two_inputs", "mul", (8, 8, 16), per_channel=False, calibration_range=2.0, other_inputs=((-1.0, 3.0),)),
+    Spec("mean_hw_keepdims", "mean", (8, 8, 16), per_channel=False),
+    Spec("mean_hw", "mean", (8, 8, 16), per_channel=False, keepdims=False),
+    Spec("strided_slice", "strided_slice", (8, 8, 16), per_channel=False),
+    Spec("gelu", "gelu", (8, 8, 16), per_channel=False, calibration_range=4.0),
+    Spec("gelu_approximate", "gelu", (8, 8, 16), per_channel=False, calibration_range=4.0, approximate=True),
+    Spec("exp", "exp", (8, 8, 16), per_channel=False, calibration_range=(-4.0, 1.0)),
 ]
 EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
                "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH",
-               "pad": "PAD", "leaky_relu": "LEAKY_RELU", "hard_swish": "HARD_SWISH"}
+               "pad": "PAD", "leaky_relu": "LEAKY_RELU", "hard_swish": "HARD_SWISH", "softmax": "SOFTMAX",
+               "add": "ADD", "sub": "SUB", "mul": "MUL", "mean": "MEAN", "strided_slice": "STRIDED_SLICE",
+               "gelu": "GELU", "exp": "EXP"}
 ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh, "hard_swish": tf.keras.activations.hard_swish}
 POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
-
-NETWORK_NAME = "mobilenet_v2_035_96"
-NETWORK_DESCRIPTION = ("Keras MobileNetV2 alpha 0.35, 96x96x3 input, 1000 classes, classifier_activation=None, "
-                       "random weights, random BatchNorm gamma/beta with statistics measured on random inputs, "
-                       "per-channel weights")
+BINARY = {"add": tf.keras.layers.Add, "sub": tf.keras.layers.Subtract, "mul": tf.keras.layers.Multiply}
+BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*"}
+SLICE = "x[:, 1:7:2, :, 2:10]"
 
 
 def seed_of(name: str) -> int:
@@ -120,7 +178,7 @@ def seed_of(name: str) -> int:
 
 def describe(spec: Spec) -> str:
     """The MANIFEST.json description, derived from the spec so the two cannot disagree."""
-    shape = "x".join(map(str, (1, *spec.input_shape)))
+    shape = "x".join(map(str, (spec.batch, *spec.input_shape)))
     weights = "per-channel" if spec.per_channel else "per-tensor"
     activation = spec.activation or "no activation"
     if spec.kind == "fully_connected":
@@ -133,6 +191,20 @@ def describe(spec: Spec) -> str:
         return f"leaky ReLU (negative slope 0.2) on {shape}"
     if spec.kind == "pad":
         return f"zero padding (top 1, bottom 2, left 3, right 0) on {shape}"
+    if spec.kind == "softmax":
+        return f"softmax (beta 1) over the last axis of {shape}, calibrated on {show(spec.calibration_range)}"
+    if spec.kind in BINARY:
+        ranges = ", ".join(f"x{i} on {show(r)}" for i, r in enumerate(spec.calibration_ranges))
+        return f"x0 {BINARY_SYMBOL[spec.kind]} x1, two {shape} inputs calibrated {ranges}"
+    if spec.kind == "mean":
+        return f"mean over axes 1 and 2 of {shape}, keepdims={spec.keepdims}"
+    if spec.kind == "strided_slice":
+        return f"strided slice {SLICE} of {shape}"
+    if spec.kind == "gelu":
+        form = "tanh approximation" if spec.approximate else "exact (erf)"
+        return f"GELU, {form}, on {shape}, calibrated on {show(spec.calibration_range)}"
+    if spec.kind == "exp":
+        return f"exp on {shape}, calibrated on {show(spec.calibration_range)}"
     bias = "bias" if spec.use_bias else "no bias"
     return (f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} dilation {spec.dilation} "
             f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights")
@@ -157,6 +229,18 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
         layer = tf.keras.layers.ZeroPadding2D(((1, 2), (3, 0)))
     elif spec.kind == "leaky_relu":
         layer = tf.keras.layers.LeakyReLU(negative_slope=0.2)
+    elif spec.kind == "softmax":
+        layer = tf.keras.layers.Softmax()
+    elif spec.kind in BINARY:
+        layer = BINARY[spec.kind]()
+    elif spec.kind == "mean":
+        layer = tf.keras.layers.Lambda(lambda x: tf.reduce_mean(x, axis=(1, 2), keepdims=spec.keepdims))
+    elif spec.kind == "strided_slice":
+        layer = tf.keras.layers.Lambda(lambda x: x[:, 1:7:2, :, 2:10])
+    elif spec.kind == "gelu":
+        layer = tf.keras.layers.Lambda(lambda x: tf.nn.gelu(x, approximate=spec.approximate))
+    elif spec.kind == "exp":
+        layer = tf.keras.layers.Lambda(tf.exp)
     elif spec.kind == "conv2d":
         layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
     elif spec.kind == "depthwise_conv2d":
@@ -164,7 +248,11 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
                                                 **shared)
     else:
         layer = tf.keras.layers.Dense(spec.out_channels, kernel_initializer=kernel_init, **shared)
-    inputs = tf.keras.Input(spec.input_shape, batch_size=1)
+    if spec.other_inputs:
+        inputs = [tf.keras.Input(spec.input_shape, batch_size=spec.batch, name=f"x{i}")
+                  for i in range(len(spec.calibration_ranges))]
+    else:
+        inputs = tf.keras.Input(spec.input_shape, batch_size=spec.batch)
     return tf.keras.Model(inputs, layer(inputs), name=spec.name)
 
 
@@ -172,8 +260,10 @@ def concat_network(seed: int) -> tf.keras.Model:
     """Inception-style: a 1x1 convolution branch and a max-pool branch, concatenated on channels.
 
     The converter must give every CONCATENATION input the output's qparams
-    (TFLite's int8 rule), so it inserts requantizing QUANTIZE ops where the
-    branches' ranges differ: the fixture checks concat and requantize together.
+    (TFLite's int8 rule). Here it inserts no requantizing QUANTIZE: the
+    max-pool branch and the model input (whose scale is therefore about 3x what
+    [-1, 1] calibration alone gives) take the concatenation's qparams, and the
+    conv branch's output is requantized to them inside CONV_2D.
     """
     inputs = tf.keras.Input((12, 12, 8), batch_size=1)
     conv = tf.keras.layers.Conv2D(16, 1, activation="relu",
@@ -183,8 +273,8 @@ def concat_network(seed: int) -> tf.keras.Model:
     return tf.keras.Model(inputs, tf.keras.layers.Concatenate()([conv(inputs), pooled]), name="concat_branches")
 
 
-def mobilenet_v2(seed: int) -> tf.keras.Model:
-    """MobileNetV2 alpha 0.35 at 96x96 with random weights and data-dependent BatchNorm statistics.
+def randomize_batchnorm(model: tf.keras.Model, seed: int) -> tf.keras.Model:
+    """Random BatchNorm gamma/beta, moving statistics measured on random inputs.
 
     With untrained weights, fixed BatchNorm statistics (the Keras defaults, or
     random ones such as mean ~ N(0, 0.1), variance ~ U(0.5, 1.5)) do not
@@ -194,31 +284,128 @@ def mobilenet_v2(seed: int) -> tf.keras.Model:
     set to each layer's actual statistics on random inputs (one training-mode
     pass with momentum 0), which keeps every layer's activations spread.
     """
-    model = tf.keras.applications.MobileNetV2(input_shape=(96, 96, 3), alpha=0.35, weights=None,
-                                              classifier_activation=None, classes=1000)
     rng = np.random.default_rng(seed)
     for layer in model.layers:
         if isinstance(layer, tf.keras.layers.BatchNormalization):
             layer.gamma.assign(rng.uniform(0.5, 1.5, layer.gamma.shape))
             layer.beta.assign(rng.normal(0.0, 0.1, layer.beta.shape))
             layer.momentum = 0.0  # the training-mode pass below overwrites the moving statistics
-    model(rng.uniform(-1, 1, (BN_BATCH, 96, 96, 3)).astype(np.float32), training=True)
+    batch = rng.uniform(-1, 1, (BN_BATCH, *model.input_shape[1:])).astype(np.float32)
+    model(tf.nest.pack_sequence_as(model.input, [batch]), training=True)  # a model built on [input] wants [batch]
     return model
 
 
-def convert(model: tf.keras.Model, seed: int, per_channel: bool, calibration_range: float = 1.0) -> bytes:
-    """Full-integer int8 conversion, calibrated on uniform [-r, r] inputs (r = 1: MobileNetV2's range;
-    activations use a wider r so their int8 inputs reach the saturating tails).
+def mobilenet_v2(seed: int) -> tf.keras.Model:
+    """MobileNetV2 alpha 0.35 at 96x96 with random weights and data-dependent BatchNorm statistics."""
+    return randomize_batchnorm(tf.keras.applications.MobileNetV2(
+        input_shape=(96, 96, 3), alpha=0.35, weights=None, classifier_activation=None, classes=1000), seed)
+
+
+MOBILENET_V1_CLASSES = 1000
+
+
+def mobilenet_v1(seed: int) -> tf.keras.Model:
+    """MobileNetV1 alpha 0.25 at 128x128 with random weights and data-dependent BatchNorm statistics.
+
+    Batch size 1: with a dynamic batch, the final Reshape of the classifier
+    becomes SHAPE, STRIDED_SLICE, PACK and RESHAPE.
+    """
+    return randomize_batchnorm(tf.keras.applications.MobileNet(
+        input_tensor=tf.keras.Input((128, 128, 3), batch_size=1), alpha=0.25, weights=None,
+        classifier_activation=None, classes=MOBILENET_V1_CLASSES), seed)
+
+
+def resnet(seed: int) -> tf.keras.Model:
+    """A small ResNet: conv stem, an identity-shortcut block, a stride-2 block with a 1x1 projection shortcut.
+
+    Convolutions have no bias and are followed by BatchNorm, which the
+    converter folds into them; each block ends in ADD with the ReLU fused.
+    """
+    layers = tf.keras.layers
+
+    def conv_bn(x, filters: int, kernel: int, stride: int = 1, relu: bool = True):
+        x = layers.Conv2D(filters, kernel, strides=stride, padding="same", use_bias=False)(x)
+        x = layers.BatchNormalization()(x)
+        return layers.ReLU()(x) if relu else x
+
+    inputs = tf.keras.Input((32, 32, 3), batch_size=1)
+    x = conv_bn(inputs, 16, 3)
+    x = layers.ReLU()(layers.Add()([x, conv_bn(conv_bn(x, 16, 3), 16, 3, relu=False)]))
+    residual = conv_bn(conv_bn(x, 32, 3, stride=2), 32, 3, relu=False)
+    x = layers.ReLU()(layers.Add()([conv_bn(x, 32, 1, stride=2, relu=False), residual]))
+    outputs = layers.Dense(10)(layers.GlobalAveragePooling2D()(x))
+    return randomize_batchnorm(tf.keras.Model(inputs, outputs, name="resnet_small"), seed)
+
+
+def fc_add_softmax(seed: int) -> tf.keras.Model:
+    """Two Dense 64->16 branches added, Dense 16->10, softmax.
+
+    The weights are random but scaled so the logits stay within about [-8, 8]:
+    the softmax input scale stays small (see MAX_SOFTMAX_INPUT_SCALE).
+    """
+    normal = tf.keras.initializers.RandomNormal
+    # No fixed batch size: with batch 1 the converter treats the [1, 16] + [1, 16] ADD as a bias add and
+    # RESHAPEs one operand to [16]; with a dynamic batch it keeps a plain ADD (the file's input is still 1x64).
+    inputs = tf.keras.Input((64,))
+    branches = [tf.keras.layers.Dense(16, kernel_initializer=normal(stddev=0.25, seed=seed + 2 * i),
+                                      bias_initializer=normal(stddev=0.5, seed=seed + 2 * i + 1))(inputs)
+                for i in range(2)]
+    logits = tf.keras.layers.Dense(10, kernel_initializer=normal(stddev=0.3, seed=seed + 4),
+                                   bias_initializer=normal(stddev=0.5, seed=seed + 5))(tf.keras.layers.Add()(branches))
+    return tf.keras.Model(inputs, tf.keras.layers.Softmax()(logits), name="fc_add_softmax")
+
+
+@dataclass(frozen=True)
+class Network:
+    """A multi-layer model; `operators` is the exact operator set the converter must produce."""
+
+    name: str
+    description: str
+    build: Callable[[int], tf.keras.Model]
+    operators: frozenset[str]
+    check_spread: bool = True  # random-weight networks whose outputs could collapse
+
+
+RANDOM_BN = ("random weights, random BatchNorm gamma/beta with statistics measured on random inputs, "
+             "per-channel weights")
+NETWORKS = [
+    Network("concat_branches", "1x1 conv branch and 3x3 max-pool branch concatenated on channels "
+            "(1x12x12x8 -> 1x12x12x24)", concat_network, frozenset({"CONCATENATION", "CONV_2D", "MAX_POOL_2D"}),
+            check_spread=False),
+    Network("mobilenet_v2_035_96", "Keras MobileNetV2 alpha 0.35, 96x96x3 input, 1000 classes, "
+            f"classifier_activation=None, {RANDOM_BN}", mobilenet_v2,
+            frozenset({"ADD", "CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED", "MEAN"})),
+    Network("mobilenet_v1_025_128", "Keras MobileNet (V1) alpha 0.25, 128x128x3 input, "
+            f"{MOBILENET_V1_CLASSES} classes, classifier_activation=None, {RANDOM_BN}", mobilenet_v1,
+            frozenset({"CONV_2D", "DEPTHWISE_CONV_2D", "MEAN", "RESHAPE"})),
+    Network("resnet_small_32", "ResNet-style, 32x32x3 input: conv3x3 16 + BN + ReLU stem, a basic block with "
+            "identity shortcut (16), a stride-2 basic block with 1x1 projection shortcut (32), ADD then ReLU, "
+            f"global average pooling, Dense 10, no softmax; {RANDOM_BN}", resnet,
+            frozenset({"ADD", "CONV_2D", "FULLY_CONNECTED", "MEAN"})),
+    Network("fc_add_softmax", "Dense 64->16 twice on the same input, added, Dense 16->10, softmax; random "
+            "weights scaled so the logits stay within about [-8, 8], per-channel weights", fc_add_softmax,
+            frozenset({"ADD", "FULLY_CONNECTED", "SOFTMAX"}), check_spread=False),
+]
+
+
+def convert(model: tf.keras.Model, seed: int, per_channel: bool,
+            calibration_ranges: tuple[Range, ...] = (1.0,)) -> bytes:
+    """Full-integer int8 conversion, each input calibrated on its uniform range (r = 1: MobileNetV2's
+    [-1, 1]; activations use a wider r so their int8 inputs reach the saturating tails).
 
     `_experimental_disable_per_channel` is private but is the only converter
     switch that gives per-tensor conv/depthwise weights, so check() verifies it took effect.
     """
-    shape = (1, *model.input_shape[1:])
+    shapes = [tuple(1 if d is None else d for d in t.shape) for t in model.inputs]
+    assert len(shapes) == len(calibration_ranges), (model.name, shapes, calibration_ranges)
 
-    def representative() -> Iterator[list[np.ndarray]]:
+    def representative() -> Iterator[list[np.ndarray] | dict[str, np.ndarray]]:
+        """One array per Keras input; keyed by input name when there are several, because the
+        converter orders a model's inputs differently from Keras (see the module docstring)."""
         rng = np.random.default_rng((seed, 0))
         for _ in range(CALIBRATION_SAMPLES):
-            yield [rng.uniform(-calibration_range, calibration_range, shape).astype(np.float32)]
+            arrays = [rng.uniform(*bounds(r), shape).astype(np.float32) for r, shape in zip(calibration_ranges, shapes)]
+            yield arrays if len(arrays) == 1 else {t.name: x for t, x in zip(model.inputs, arrays)}
 
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
@@ -230,53 +417,104 @@ def convert(model: tf.keras.Model, seed: int, per_channel: bool, calibration_ran
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         # Keras prints its SavedModel export; the warning is about float input statistics, unused for int8 inputs.
         warnings.filterwarnings("ignore", "Statistics for quantized inputs were expected")
+        # Calibrating on named inputs makes the converter use tf.lite.Interpreter, which warns it is deprecated.
+        warnings.filterwarnings("ignore", r"\s*Warning: tf.lite.Interpreter is deprecated")
         return converter.convert()
 
 
 def reference(path: Path, seed: int) -> dict[str, np.ndarray]:
-    """Seeded int8 inputs over the whole int8 range and BUILTIN_REF outputs, plus I/O quantization."""
+    """Seeded int8 inputs over the whole int8 range and BUILTIN_REF outputs, plus I/O quantization,
+    keyed as the module docstring describes."""
     interpreter = Interpreter(model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
     interpreter.allocate_tensors()
-    (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
+    ins, (out,) = interpreter.get_input_details(), interpreter.get_output_details()
     rng = np.random.default_rng((seed, 1))
-    inputs = rng.integers(-128, 128, (SAMPLES, *inp["shape"]), dtype=np.int8)
+    inputs = [rng.integers(-128, 128, (SAMPLES, *inp["shape"]), dtype=np.int8) for inp in ins]
     outputs = []
-    for x in inputs:
-        interpreter.set_tensor(inp["index"], x)
+    for sample in zip(*inputs):
+        for inp, x in zip(ins, sample):
+            interpreter.set_tensor(inp["index"], x)
         interpreter.invoke()
         outputs.append(interpreter.get_tensor(out["index"]).copy())
-    return dict(inputs=inputs, outputs=np.stack(outputs),
-                input_scale=np.float32(inp["quantization"][0]), input_zero_point=np.int32(inp["quantization"][1]),
-                output_scale=np.float32(out["quantization"][0]), output_zero_point=np.int32(out["quantization"][1]))
+    golden = dict(inputs=inputs[0], outputs=np.stack(outputs),
+                  input_scale=np.float32(ins[0]["quantization"][0]),
+                  input_zero_point=np.int32(ins[0]["quantization"][1]),
+                  output_scale=np.float32(out["quantization"][0]), output_zero_point=np.int32(out["quantization"][1]))
+    for i, (inp, x) in enumerate(zip(ins[1:], inputs[1:]), 1):
+        golden |= {f"inputs{i}": x, f"input{i}_scale": np.float32(inp["quantization"][0]),
+                   f"input{i}_zero_point": np.int32(inp["quantization"][1])}
+    return golden
 
 
-def inspect(path: Path) -> tuple[list[str], list[int]]:
-    """Operator names in execution order, and the number of weight scales of each conv/depthwise/FC."""
+@dataclass(frozen=True)
+class Inspection:
+    ops: list[str]  # operator names in execution order
+    weight_scales: list[int]  # number of weight scales of each conv/depthwise/FC
+    input_names: list[str]  # signature (Keras) names of the model inputs, in subgraph order
+    input_scales: list[float]  # of the model inputs, in subgraph order
+    softmax_input_scales: list[float]
+
+
+def inspect(path: Path) -> Inspection:
     interpreter = Interpreter(model_path=str(path))
     tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
     ops = interpreter._get_ops_details()
-    scales = [len(tensors[op["inputs"][1]]["quantization_parameters"]["scales"])
-              for op in ops if op["op_name"] in MAC_OPS]
-    return [op["op_name"] for op in ops], scales
+    signature_names = {details["index"]: key
+                       for key, details in interpreter.get_signature_runner().get_input_details().items()}
+    return Inspection(
+        ops=[op["op_name"] for op in ops],
+        weight_scales=[len(tensors[op["inputs"][1]]["quantization_parameters"]["scales"])
+                       for op in ops if op["op_name"] in MAC_OPS],
+        input_names=[signature_names[inp["index"]] for inp in interpreter.get_input_details()],
+        input_scales=[float(inp["quantization"][0]) for inp in interpreter.get_input_details()],
+        softmax_input_scales=[float(tensors[op["inputs"][0]]["quantization"][0])
+                              for op in ops if op["op_name"] == "SOFTMAX"])
 
 
-def check(name: str, ops: list[str], weight_scales: list[int], per_channel: bool, expected_op: str | None) -> None:
-    """Fail loudly if the converter inserted extra ops or ignored the per-channel setting."""
-    if expected_op is not None and ops != [expected_op]:
-        raise SystemExit(f"{name}: expected a single {expected_op}, converter produced {ops}")
-    has_weights = expected_op is None or expected_op in MAC_OPS
+def check(name: str, found: Inspection, per_channel: bool, expected_ops: str | frozenset[str],
+          calibration_ranges: dict[str, Range]) -> None:
+    """Fail loudly if the converter produced other ops than expected, ignored the per-channel setting,
+    fed calibration data to the wrong input, or gave a softmax an input scale the reference aborts on.
+
+    `expected_ops` is one op name (the model must be exactly that op) or the exact set of a network's ops;
+    `calibration_ranges` maps each Keras input name to its calibration range.
+    """
+    ops, weight_scales = found.ops, found.weight_scales
+    if isinstance(expected_ops, str) and ops != [expected_ops]:
+        raise SystemExit(f"{name}: expected a single {expected_ops}, converter produced {ops}")
+    if isinstance(expected_ops, frozenset) and set(ops) != expected_ops:
+        raise SystemExit(f"{name}: expected the operators {sorted(expected_ops)}, converter produced {ops}")
+    if sorted(found.input_names) != sorted(calibration_ranges):
+        raise SystemExit(f"{name}: the file's inputs {found.input_names} are not the model's "
+                         f"{list(calibration_ranges)}")
+    several_inputs = len(calibration_ranges) > 1  # see INPUT_SCALE_TOLERANCE
+    for input_name, scale in zip(found.input_names, found.input_scales) if several_inputs else ():
+        lo, hi = bounds(calibration_ranges[input_name])
+        expected = (max(hi, 0.0) - min(lo, 0.0)) / 255
+        if abs(scale / expected - 1) > INPUT_SCALE_TOLERANCE:
+            raise SystemExit(f"{name}: input {input_name} has scale {scale:.6g}, its calibration on "
+                             f"[{lo:g}, {hi:g}] implies {expected:.6g}: calibration data went to the wrong input")
+    for scale in found.softmax_input_scales:
+        print(f"{name}: softmax input scale {scale:.6g}")
+        if scale > MAX_SOFTMAX_INPUT_SCALE:
+            raise SystemExit(f"{name}: softmax input scale {scale:.6g} > {MAX_SOFTMAX_INPUT_SCALE}: the reference "
+                             "softmax would abort (PreprocessSoftmaxScaling); scale the logits down")
+    has_weights = not isinstance(expected_ops, str) or expected_ops in MAC_OPS
     if has_weights and (not weight_scales or any((n > 1) != per_channel for n in weight_scales)):
         raise SystemExit(f"{name}: weight scale counts {weight_scales} do not match per_channel={per_channel}")
 
 
 def write(name: str, kind: str, description: str, model: tf.keras.Model, per_channel: bool,
-          expected_op: str | None = None, calibration_range: float = 1.0) -> dict:
+          expected_ops: str | frozenset[str], calibration_ranges: tuple[Range, ...] = (1.0,)) -> dict:
     """Convert, store model and goldens, print a summary line and return the manifest entry."""
     seed = seed_of(name)
     path = OUT / f"{name}.tflite"
-    path.write_bytes(convert(model, seed, per_channel, calibration_range))
-    ops, weight_scales = inspect(path)
-    check(name, ops, weight_scales, per_channel, expected_op)
+    path.write_bytes(convert(model, seed, per_channel, calibration_ranges))
+    found = inspect(path)
+    ops = found.ops
+    check(name, found, per_channel, expected_ops, {t.name: r for t, r in zip(model.inputs, calibration_ranges)})
+    if len(found.input_names) > 1:
+        description += f"; the file's inputs in order: {', '.join(found.input_names)}"
     golden = reference(path, seed)
     np.savez_compressed(path.with_suffix(".npz"), **golden)
     outputs = golden["outputs"]
@@ -285,7 +523,8 @@ def write(name: str, kind: str, description: str, model: tf.keras.Model, per_cha
           f"{np.mean(outputs == 127):4.0%} at 127  {'per-channel' if per_channel else 'per-tensor '}  "
           f"{' '.join(sorted(set(ops)))}")
     return dict(name=name, file=path.name, kind=kind, description=description, per_channel=per_channel,
-                operators=sorted(set(ops)), tvm_imports=not TVM_REJECTS & set(ops))
+                num_inputs=len(calibration_ranges), operators=sorted(set(ops)),
+                tvm_imports=not TVM_REJECTS & set(ops))
 
 
 def check_network_outputs(name: str) -> None:
@@ -316,7 +555,7 @@ def write_activation_sweep() -> None:
             inputs = tf.keras.Input((256,), batch_size=1)
             model = tf.keras.Model(inputs, tf.keras.layers.Activation(function)(inputs))
             path = OUT / f"{SWEEP_NAME}.tflite"
-            path.write_bytes(convert(model, seed_of(f"{kind}{calibration_range}"), False, calibration_range))
+            path.write_bytes(convert(model, seed_of(f"{kind}{calibration_range}"), False, (calibration_range,)))
             interpreter = Interpreter(model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
             interpreter.allocate_tensors()
             (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
@@ -348,15 +587,14 @@ def main() -> None:
         tf.keras.backend.clear_session()
         tf.keras.utils.set_random_seed(seed_of(spec.name))
         manifest.append(write(spec.name, spec.kind, describe(spec), single_layer_model(spec), spec.per_channel,
-                              EXPECTED_OP[spec.kind], spec.calibration_range))
-    tf.keras.backend.clear_session()
-    tf.keras.utils.set_random_seed(seed_of("concat_branches"))
-    manifest.append(write("concat_branches", "network", "1x1 conv branch and 3x3 max-pool branch concatenated "
-                          "on channels (1x12x12x8 -> 1x12x12x24)", concat_network(seed_of("concat_branches")), True))
-    tf.keras.backend.clear_session()
-    tf.keras.utils.set_random_seed(seed_of(NETWORK_NAME))
-    manifest.append(write(NETWORK_NAME, "network", NETWORK_DESCRIPTION, mobilenet_v2(seed_of(NETWORK_NAME)), True))
-    check_network_outputs(NETWORK_NAME)
+                              EXPECTED_OP[spec.kind], spec.calibration_ranges))
+    for network in NETWORKS:
+        tf.keras.backend.clear_session()
+        tf.keras.utils.set_random_seed(seed_of(network.name))
+        manifest.append(write(network.name, "network", network.description, network.build(seed_of(network.name)),
+                              True, network.operators))
+        if network.check_spread:
+            check_network_outputs(network.name)
     write_activation_sweep()
     remove_stale({entry["name"] for entry in manifest} | {SWEEP_NAME})
     (OUT / "MANIFEST.json").write_text(json.dumps({"models": manifest}, indent=1) + "\n")
