@@ -10,12 +10,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+import numpy as np
+
 from .numerics import Rounding
 
-FORMAT_VERSION = (1, 1)
+FORMAT_VERSION = (1, 2)
 """(major, minor) of the command-stream format; a reader accepts only its own major.
 
-1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax)."""
+1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
+1.2 added ``Rounding.ONNXRUNTIME`` and the float32 scales it needs, appended to
+Elementwise, Reduction and Pooling (plus Pooling's rounding and zero points);
+their defaults (0) keep 1.0 and 1.1 streams meaning what they meant."""
 
 
 class Opcode(IntEnum):
@@ -113,13 +118,21 @@ class Convolution:
     rounding: Rounding = Rounding.TFLITE_DOUBLE
 
 
+def _as_float32(payload, names: tuple[str, ...]) -> None:
+    """Hold scale fields as the float32 values the stream stores, so a decoded payload equals its original."""
+    with np.errstate(over="ignore"):
+        for name in names:
+            object.__setattr__(payload, name, float(np.float32(getattr(payload, name))))
+
+
 @dataclass(frozen=True)
 class Elementwise:
-    """Operands of a TFLite-style int8 ADD, SUB or MUL; see command_stream.fbs.
+    """Operands of an int8 ADD, SUB or MUL; see command_stream.fbs.
 
-    ADD and SUB use every field; MUL multiplies the centred inputs and
-    requantizes with the output multiplier alone (the input multipliers,
-    shifts and ``left_shift`` must be 0).
+    TFLite roundings: ADD and SUB use every fixed-point field; MUL multiplies
+    the centred inputs and requantizes with the output multiplier alone (the
+    input multipliers, shifts and ``left_shift`` must be 0); the scales are 0.
+    ``Rounding.ONNXRUNTIME``: the float32 scales replace every fixed-point field (all 0).
     """
 
     ifm: FeatureMap
@@ -138,11 +151,21 @@ class Elementwise:
     act_min: int = -128
     act_max: int = 127
     rounding: Rounding = Rounding.TFLITE_DOUBLE
+    input_scale: float = 0.0
+    input2_scale: float = 0.0
+    output_scale: float = 0.0
+
+    def __post_init__(self):
+        _as_float32(self, ("input_scale", "input2_scale", "output_scale"))
 
 
 @dataclass(frozen=True)
 class Reduction:
-    """Operands of a spatial MEAN; see command_stream.fbs."""
+    """Operands of a spatial MEAN; see command_stream.fbs.
+
+    TFLite roundings: multiplier and shift (1 / count folded in), scales 0.
+    ``Rounding.ONNXRUNTIME``: the float32 scales, multiplier and shift 0.
+    """
 
     ifm: FeatureMap
     ofm: FeatureMap
@@ -153,11 +176,20 @@ class Reduction:
     act_min: int = -128
     act_max: int = 127
     rounding: Rounding = Rounding.TFLITE_DOUBLE
+    input_scale: float = 0.0
+    output_scale: float = 0.0
+
+    def __post_init__(self):
+        _as_float32(self, ("input_scale", "output_scale"))
 
 
 @dataclass(frozen=True)
 class Pooling:
-    """Operands of MAX_POOL2D / AVG_POOL2D; padding (top, left, bottom, right) is never counted."""
+    """Operands of MAX_POOL2D / AVG_POOL2D; padding (top, left, bottom, right) is never counted.
+
+    The qparams are used only by AVG_POOL2D with ``Rounding.ONNXRUNTIME``
+    (onnxruntime's float32 average, requantized); otherwise they are 0.
+    """
 
     ifm: FeatureMap
     ofm: FeatureMap
@@ -171,6 +203,14 @@ class Pooling:
     pad_right: int
     act_min: int = -128
     act_max: int = 127
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+    input_scale: float = 0.0
+    input_zero_point: int = 0
+    output_scale: float = 0.0
+    output_zero_point: int = 0
+
+    def __post_init__(self):
+        _as_float32(self, ("input_scale", "output_scale"))
 
 
 @dataclass(frozen=True)

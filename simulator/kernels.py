@@ -9,6 +9,11 @@ with the input zero point, i.e. contributes nothing to the sum.
 Products are summed with float64 matrix multiplies for speed: every term is an
 integer below 2**16 in magnitude, so partial sums stay exact while fewer than
 2**37 terms are added, far beyond any legal kernel.
+
+Commands with ``Rounding.ONNXRUNTIME`` reproduce onnxruntime's QDQ execution
+instead (:mod:`simulator.numerics`): the elementwise, pooling and mean units
+compute in float32 in MLAS's order; the MAC array keeps its integer
+accumulator and rounds ``acc * scale`` half to even.
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from .config import NpuConfig
 from .errors import NpuError
 from .isa import (SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode,
                   LUT_ENTRIES, Pooling, Reduction, Softmax, TableLookup, weight_shape)
-from .numerics import (Rounding, elementwise_add, elementwise_mul, elementwise_sub, requantize, requantize_float,
-                       softmax, wrap_signed)
+from .numerics import (Rounding, elementwise_add, elementwise_mul, elementwise_sub, ort_avg_pool, ort_elementwise,
+                       ort_mean, requantize, requantize_float, softmax, wrap_signed)
 
 
 @dataclass
@@ -94,15 +99,19 @@ ACCUMULATE = {
 }
 
 
+DOUBLE_SCALE_ROUNDINGS = (Rounding.FLOAT64, Rounding.ONNXRUNTIME)
+"""Modes whose scale/bias table holds a float64 scale per channel instead of (multiplier, shift)."""
+
+
 def run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
     weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8).astype(np.float64)
     table = _read(state, conv.scale_bias_address, (conv.ofm.channels, SCALE_BIAS_WORDS), np.int32)
     bias = table[:, 0].astype(np.int64)
     acc = ACCUMULATE[opcode](_padded_input(state, conv), weights, conv).astype(np.int64) + bias
     acc = wrap_signed(acc, config.accumulator_bits)
-    if conv.rounding == Rounding.FLOAT64:
+    if conv.rounding in DOUBLE_SCALE_ROUNDINGS:
         scales = np.ascontiguousarray(table[:, 1:3]).view(np.float64).reshape(-1)
-        out = requantize_float(acc, scales, conv.output_zero_point, conv.act_min, conv.act_max)
+        out = requantize_float(acc, scales, conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
     else:
         out = requantize(acc, table[:, 1].astype(np.int64), table[:, 2].astype(np.int64),
                          conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
@@ -121,7 +130,21 @@ RESCALED_BINARY = {Opcode.ADD: elementwise_add, Opcode.SUB: elementwise_sub}
 """Elementwise opcodes that rescale both inputs to a common scale before combining them."""
 
 
+ORT_BINARY = {Opcode.ADD: np.add, Opcode.SUB: np.subtract, Opcode.MUL: np.multiply}
+"""The float32 operation of each elementwise opcode under ``Rounding.ONNXRUNTIME``."""
+
+
+def run_ort_elementwise(state: MachineState, opcode: Opcode, op: Elementwise) -> None:
+    out = ort_elementwise(ORT_BINARY[opcode], _fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
+                          op.input_scale, op.input_zero_point, op.input2_scale, op.input2_zero_point,
+                          op.output_scale, op.output_zero_point, op.act_min, op.act_max)
+    _write(state, op.ofm, out)
+
+
 def run_add_sub(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
+    if op.rounding == Rounding.ONNXRUNTIME:
+        run_ort_elementwise(state, opcode, op)
+        return
     out = RESCALED_BINARY[opcode](_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
                                   op.input_zero_point, op.input2_zero_point, op.output_zero_point,
                                   op.input_multiplier, op.input_shift, op.input2_multiplier, op.input2_shift,
@@ -131,6 +154,9 @@ def run_add_sub(state: MachineState, opcode: Opcode, op: Elementwise, config: Np
 
 
 def run_mul(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
+    if op.rounding == Rounding.ONNXRUNTIME:
+        run_ort_elementwise(state, opcode, op)
+        return
     out = elementwise_mul(_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
                           op.input_zero_point, op.input2_zero_point, op.output_zero_point,
                           op.output_multiplier, op.output_shift, op.act_min, op.act_max, op.rounding)
@@ -145,8 +171,13 @@ def run_softmax(state: MachineState, opcode: Opcode, op: Softmax, config: NpuCon
 
 
 def run_mean(state: MachineState, opcode: Opcode, op: Reduction, config: NpuConfig) -> None:
-    """TFLite ``QuantizedMeanOrSum``: int32 sum, minus zero point * count, one requantization."""
+    """TFLite ``QuantizedMeanOrSum``: int32 sum, minus zero point * count, one requantization;
+    ``Rounding.ONNXRUNTIME``: onnxruntime's float32 global average pool."""
     ifm = _fmap(state, op.ifm)
+    if op.rounding == Rounding.ONNXRUNTIME:
+        _write(state, op.ofm, ort_mean(ifm, op.input_scale, op.input_zero_point, op.output_scale,
+                                       op.output_zero_point, op.act_min, op.act_max))
+        return
     count = op.ifm.height * op.ifm.width
     total = ifm.astype(np.int64).sum(axis=(0, 1)) - op.input_zero_point * count
     total = wrap_signed(total, config.accumulator_bits)
@@ -176,8 +207,14 @@ def run_max_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuCo
 
 def run_avg_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuConfig) -> None:
     """TFLite reference int8 AveragePool: sum / count of inputs inside the image, rounded half
-    away from zero in integers, then the clamp."""
+    away from zero in integers, then the clamp; ``Rounding.ONNXRUNTIME``: onnxruntime's float32 average."""
     ifm = _fmap(state, op.ifm)
+    if op.rounding == Rounding.ONNXRUNTIME:
+        out = ort_avg_pool(ifm, (op.kernel_h, op.kernel_w), (op.stride_h, op.stride_w),
+                           (op.pad_top, op.pad_left, op.pad_bottom, op.pad_right), op.input_scale,
+                           op.input_zero_point, op.output_scale, op.output_zero_point, op.act_min, op.act_max)
+        _write(state, op.ofm, out)
+        return
     total = sum(w for w in _pool_windows(_padded(ifm.astype(np.int64), op, 0), op))
     count = sum(w for w in _pool_windows(_padded(np.ones((*ifm.shape[:2], 1), np.int64), op, 0), op))
     half = count // 2

@@ -90,7 +90,7 @@ def _encode_flat(builder, payload) -> tuple[str, int]:
         if isinstance(value, FeatureMap):
             offsets[f.name] = _encode_fmap(builder, value)
         else:
-            scalars[f.name] = int(value)
+            scalars[f.name] = value if isinstance(value, float) else int(value)
     return slot, _add_table(builder, module, prefix, scalars, offsets)
 
 
@@ -107,10 +107,11 @@ def _decode_flat(table, cls):
     return cls(**values)
 
 
-def _add_table(builder, module, prefix: str, scalars: dict[str, int], offsets: dict[str, int]):
+def _add_table(builder, module, prefix: str, scalars: dict[str, int | float], offsets: dict[str, int]):
+    """Scalars are ints, or floats for the schema's float32 fields; offsets are the encoded sub-tables."""
     getattr(module, f"{prefix}Start")(builder)
     for name, value in {**scalars, **offsets}.items():
-        getattr(module, f"{prefix}Add{_camel(name)}")(builder, int(value))
+        getattr(module, f"{prefix}Add{_camel(name)}")(builder, value if isinstance(value, float) else int(value))
     return getattr(module, f"{prefix}End")(builder)
 
 

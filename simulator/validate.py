@@ -7,6 +7,8 @@ that passed validation cannot index outside DRAM buffers or SRAM.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .config import NpuConfig
@@ -14,6 +16,7 @@ from .errors import StreamError
 from .isa import (PAYLOAD_OF_OPCODE, SCALE_BIAS_WORDS, BufferKind, Command, CommandStream, Convolution, DmaCopy,
                   Elementwise, FeatureMap, LUT_ENTRIES, MemorySpace, Opcode, Pooling, Reduction, Softmax,
                   TableLookup, conv_output_size, weight_shape)
+from .numerics import Rounding
 
 DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
 
@@ -140,6 +143,35 @@ def _check_regions(config: NpuConfig, where: str, reads: dict[str, FeatureMap], 
 MUL_UNUSED_FIELDS = ("input_multiplier", "input_shift", "input2_multiplier", "input2_shift", "left_shift")
 """Elementwise fields MUL has no use for: it rescales only the product, with the output multiplier."""
 
+ONNXRUNTIME_FIELDS = {
+    Elementwise: (("input_scale", "input2_scale", "output_scale"), (),
+                  ("input_multiplier", "input_shift", "input2_multiplier", "input2_shift", "output_multiplier",
+                   "output_shift", "left_shift")),
+    Reduction: (("input_scale", "output_scale"), (), ("multiplier", "shift")),
+    Pooling: (("input_scale", "output_scale"), ("input_zero_point", "output_zero_point"), ()),
+}
+"""Per payload: the float32 scales ``Rounding.ONNXRUNTIME`` computes with, its other fields, and the
+fixed-point fields it leaves unused. Each mode's unused fields must be 0, so that no stream carries a
+value nothing reads."""
+
+
+def _check_rounding_fields(where: str, payload) -> None:
+    """ONNXRUNTIME: positive finite scales, fixed-point fields 0; other modes: ONNXRUNTIME's fields 0."""
+    scales, others, fixed_point = ONNXRUNTIME_FIELDS[type(payload)]
+    if payload.rounding == Rounding.ONNXRUNTIME:
+        for name in scales:
+            value = getattr(payload, name)
+            if not (math.isfinite(value) and value > 0):
+                raise StreamError(f"{where}: ONNXRUNTIME {name} {value} must be positive and finite")
+        unused = [name for name in fixed_point if getattr(payload, name) != 0]
+        if unused:
+            raise StreamError(f"{where}: ONNXRUNTIME computes with the scales; {', '.join(unused)} must be 0")
+    else:
+        unused = [name for name in (*scales, *others) if getattr(payload, name) != 0]
+        if unused:
+            raise StreamError(f"{where}: only ONNXRUNTIME reads {', '.join(unused)}; they must be 0 "
+                              f"with {payload.rounding.name}")
+
 
 def _check_elementwise(config: NpuConfig, opcode: Opcode, op: Elementwise, where: str) -> None:
     _check_regions(config, where, {"ifm": op.ifm, "ifm2": op.ifm2}, op.ofm)
@@ -149,11 +181,12 @@ def _check_elementwise(config: NpuConfig, opcode: Opcode, op: Elementwise, where
                 output_zero_point=op.output_zero_point, act_min=op.act_min, act_max=op.act_max)
     if op.act_min > op.act_max:
         raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
+    _check_rounding_fields(where, op)
     if not 0 <= op.left_shift <= 24:
         raise StreamError(f"{where}: left_shift {op.left_shift} outside 0..24")
     for name in ("input", "input2", "output"):
         _check_multiplier(where, name, getattr(op, f"{name}_multiplier"), getattr(op, f"{name}_shift"))
-    if opcode == Opcode.MUL:
+    if opcode == Opcode.MUL and op.rounding != Rounding.ONNXRUNTIME:
         used = [name for name in MUL_UNUSED_FIELDS if getattr(op, name) != 0]
         if used:
             raise StreamError(f"{where}: MUL rescales only the product; {', '.join(used)} must be 0")
@@ -167,10 +200,11 @@ def _check_reduction(config: NpuConfig, op: Reduction, where: str) -> None:
                 act_min=op.act_min, act_max=op.act_max)
     if op.act_min > op.act_max:
         raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
+    _check_rounding_fields(where, op)
     _check_multiplier(where, "mean", op.multiplier, op.shift)
 
 
-def _check_pooling(config: NpuConfig, op: Pooling, where: str) -> None:
+def _check_pooling(config: NpuConfig, opcode: Opcode, op: Pooling, where: str) -> None:
     _check_regions(config, where, {"ifm": op.ifm}, op.ofm)
     kernel, stride = (op.kernel_h, op.kernel_w), (op.stride_h, op.stride_w)
     padding = (op.pad_top, op.pad_left, op.pad_bottom, op.pad_right)
@@ -184,9 +218,12 @@ def _check_pooling(config: NpuConfig, op: Pooling, where: str) -> None:
                 conv_output_size(op.ifm.width, kernel[1], stride[1], 1, padding[1], padding[3]))
     if (op.ofm.height, op.ofm.width, op.ofm.channels) != (*expected, op.ifm.channels):
         raise StreamError(f"{where}: ofm does not match the window arithmetic ({expected[0]}x{expected[1]})")
-    _check_int8(where, act_min=op.act_min, act_max=op.act_max)
+    _check_int8(where, act_min=op.act_min, act_max=op.act_max, input_zero_point=op.input_zero_point,
+                output_zero_point=op.output_zero_point)
     if op.act_min > op.act_max:
         raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
+    if opcode == Opcode.AVG_POOL2D:
+        _check_rounding_fields(where, op)
 
 
 def _check_lut(config: NpuConfig, op: TableLookup, where: str) -> None:
@@ -226,7 +263,7 @@ def _check_command(stream: CommandStream, config: NpuConfig, index: int, command
     elif isinstance(payload, Reduction):
         _check_reduction(config, payload, where)
     elif isinstance(payload, Pooling):
-        _check_pooling(config, payload, where)
+        _check_pooling(config, command.opcode, payload, where)
     elif isinstance(payload, TableLookup):
         _check_lut(config, payload, where)
     elif isinstance(payload, Softmax):

@@ -3,6 +3,12 @@
 Loop per output element, Python integers only, no numpy vectorization and no
 import of ``simulator.numerics``: a second oracle beside the TFLite interpreter.
 Follows tensorflow/lite/kernels/internal/common.h (default double rounding).
+
+The ``onnxruntime_*`` functions are the same for onnxruntime's QDQ execution,
+written from its source (quantize_linear.cc, MLAS pooling.cpp): float32
+arithmetic as Python floats rounded to float32 after every operation (a
+double sum, difference, product or quotient of two float32 values rounds to
+the correctly rounded float32 result), a second oracle beside onnxruntime.
 """
 
 from __future__ import annotations
@@ -38,8 +44,8 @@ def multiply_by_quantized_multiplier(x: int, multiplier: int, shift: int) -> int
     return rounding_divide_by_pot(saturating_rounding_doubling_high_mul(_wrap32(x * (1 << left)), multiplier), right)
 
 
-def conv2d(x, w, bias, mult, shift, in_zp, out_zp, act, stride, dilation, padding, depthwise=False):
-    """x: [H][W][C] ints; w: [OC][KH][KW][IC] (depthwise: [C][KH][KW]); padding (t, l, b, r)."""
+def _conv2d_accumulators(x, w, bias, in_zp, stride, dilation, padding, depthwise):
+    """Exact int accumulators [OH][OW][OC] (bias included): x [H][W][C], w [OC][KH][KW][IC] or [C][KH][KW]."""
     h, wd = len(x), len(x[0])
     oc_count = len(w)
     kh, kw = len(w[0]), len(w[0][0])
@@ -62,10 +68,27 @@ def conv2d(x, w, bias, mult, shift, in_zp, out_zp, act, stride, dilation, paddin
                         else:
                             for ic in range(len(x[0][0])):
                                 acc += (x[iy][ix][ic] - in_zp) * w[oc][ky][kx][ic]
-                acc += bias[oc]
-                value = multiply_by_quantized_multiplier(acc, mult[oc], shift[oc]) + out_zp
-                out[oy][ox][oc] = min(max(value, act[0]), act[1])
+                out[oy][ox][oc] = acc + bias[oc]
     return out
+
+
+def conv2d(x, w, bias, mult, shift, in_zp, out_zp, act, stride, dilation, padding, depthwise=False):
+    """x: [H][W][C] ints; w: [OC][KH][KW][IC] (depthwise: [C][KH][KW]); padding (t, l, b, r)."""
+    accs = _conv2d_accumulators(x, w, bias, in_zp, stride, dilation, padding, depthwise)
+    return [[[min(max(multiply_by_quantized_multiplier(acc, mult[oc], shift[oc]) + out_zp, act[0]), act[1])
+              for oc, acc in enumerate(pixel)] for pixel in row] for row in accs]
+
+
+def conv2d_onnxruntime(x, w, bias, s_in, w_scales, s_out, in_zp, out_zp, act, stride, dilation, padding,
+                       depthwise=False):
+    """The NPU's ONNXRUNTIME convolution: the exact accumulator times the double scale
+    ``s_in * s_w / s_out`` (float32 scales widened), rounded half to even, computed with fractions."""
+    from fractions import Fraction
+
+    accs = _conv2d_accumulators(x, w, bias, in_zp, stride, dilation, padding, depthwise)
+    scales = [Fraction(float(s_in) * float(s_w) / float(s_out)) for s_w in w_scales]
+    return [[[min(max(round(Fraction(acc) * scales[oc]) + out_zp, act[0]), act[1])  # round(): half to even
+              for oc, acc in enumerate(pixel)] for pixel in row] for row in accs]
 
 
 def fully_connected(x, w, bias, mult, shift, in_zp, out_zp, act):
@@ -312,4 +335,91 @@ def softmax(rows, s_in, beta=1.0, zp_out=-128):
             else:
                 values.append(zp_out)
         out.append(values)
+    return out
+
+
+# onnxruntime's QDQ execution (Rounding.ONNXRUNTIME), restated from quantize_linear.cc and MLAS pooling.cpp.
+
+def onnxruntime_dequantize(q: int, scale: float, zp: int) -> float:
+    """DequantizeLinear: float(int32(q) - zp) * scale, one float32 rounding."""
+    return _float32(float(q - zp) * scale)
+
+
+def onnxruntime_quantize(value: float, scale: float, zp: int) -> int:
+    """QuantizeLinear: float32 division, clamp in float, round half to even (Python's round), then + zp."""
+    v = min(max(_float32(value / scale), float(-128 - zp)), float(127 - zp))
+    return round(v) + zp
+
+
+def onnxruntime_binary(op, x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
+    """Add / Sub / Mul of dequantized inputs in float32 (``op`` on two floats), quantized, clamped."""
+    return [_clamp(onnxruntime_quantize(_float32(op(onnxruntime_dequantize(a, s1, zp1),
+                                                    onnxruntime_dequantize(b, s2, zp2))), s_out, zp_out), act)
+            for a, b in zip(x1, x2)]
+
+
+def _column_sum(dq, ix: int, y0: int, y1: int) -> float:
+    """MLAS's column sum of rows y0..y1-1 (top to bottom, from the first); padding columns are 0.0."""
+    if not 0 <= ix < len(dq[0]):
+        return 0.0
+    total = dq[y0][ix]
+    for iy in range(y0 + 1, y1):
+        total = _float32(total + dq[iy][ix])
+    return total
+
+
+def onnxruntime_avg_pool(x, kernel, stride, padding, s_in, zp_in, s_out, zp_out, act=(-128, 127)):
+    """AveragePool (count_include_pad=0) as MlasPool2DVectorKernel sums; x is [H][W][C].
+
+    Per output row: each input column summed over the window's valid rows, top
+    to bottom, starting from the first; per output, its window's column sums
+    (padding columns 0.0) added left to right from the window's first column;
+    divided by the count of valid inputs. Width strides over 2 or windows over
+    32 take MlasPool2DKernel: one sum from 0.0 over the valid window, row-major.
+    """
+    h, w, c = len(x), len(x[0]), len(x[0][0])
+    (kh, kw), (sh, sw), (pt, pl, pb, pr) = kernel, stride, padding
+    oh, ow = (h + pt + pb - kh) // sh + 1, (w + pl + pr - kw) // sw + 1
+    vector = max(kh, kw) <= 32 and sw <= 2
+    out = [[[0] * c for _ in range(ow)] for _ in range(oh)]
+    for ch in range(c):
+        dq = [[onnxruntime_dequantize(x[iy][ix][ch], s_in, zp_in) for ix in range(w)] for iy in range(h)]
+        for oy in range(oh):
+            y0, y1 = max(oy * sh - pt, 0), min(oy * sh - pt + kh, h)
+            for ox in range(ow):
+                x0, x1 = max(ox * sw - pl, 0), min(ox * sw - pl + kw, w)
+                if vector:
+                    start = ox * sw - pl
+                    acc = _column_sum(dq, start, y0, y1)
+                    for ix in range(start + 1, start + kw):
+                        acc = _float32(acc + _column_sum(dq, ix, y0, y1))
+                else:
+                    acc = 0.0
+                    for iy in range(y0, y1):
+                        for ix in range(x0, x1):
+                            acc = _float32(acc + dq[iy][ix])
+                average = _float32(acc / float((y1 - y0) * (x1 - x0)))
+                out[oy][ox][ch] = _clamp(onnxruntime_quantize(average, s_out, zp_out), act)
+    return out
+
+
+def onnxruntime_global_average(x, s_in, zp_in, s_out, zp_out, act=(-128, 127)):
+    """GlobalAveragePool as MlasPoolGlobalKernel on x86; x is [H][W][C], the result [C].
+
+    Four lane sums from 0.0 (lane j: elements j, j+4, ... of the row-major
+    H*W values) while four remain, reduced (l0 + l2) + (l1 + l3), then the
+    leftovers one by one, divided by H*W.
+    """
+    h, w, c = len(x), len(x[0]), len(x[0][0])
+    out = []
+    for ch in range(c):
+        values = [onnxruntime_dequantize(x[iy][ix][ch], s_in, zp_in) for iy in range(h) for ix in range(w)]
+        body = len(values) - len(values) % 4
+        lanes = [0.0] * 4
+        for i in range(0, body, 4):
+            lanes = [_float32(lane + v) for lane, v in zip(lanes, values[i:i + 4])]
+        total = _float32(_float32(lanes[0] + lanes[2]) + _float32(lanes[1] + lanes[3]))
+        for v in values[body:]:
+            total = _float32(total + v)
+        out.append(_clamp(onnxruntime_quantize(_float32(total / float(len(values))), s_out, zp_out), act))
     return out

@@ -201,7 +201,7 @@ def test_new_opcodes_round_trip():
     stream = _compute_stream(_elementwise_command(Opcode.SUB), _elementwise_command(Opcode.MUL),
                              _softmax_command(), _softmax_command(output_zero_point=5, diff_min=-3))
     decoded = decode_stream(encode_stream(stream))
-    assert decoded == stream and decoded.version == FORMAT_VERSION == (1, 1)
+    assert decoded == stream and decoded.version == FORMAT_VERSION >= (1, 1)
     assert [c.opcode for c in decoded.commands] == [Opcode.SUB, Opcode.MUL, Opcode.SOFTMAX, Opcode.SOFTMAX]
     sub, mul = decoded.commands[0].payload, decoded.commands[1].payload
     assert (sub.left_shift, sub.input_shift, sub.output_shift) == (20, -1, -19)
@@ -281,3 +281,127 @@ def test_softmax_runs_from_decoded_bytes():
     outputs, _ = run_stream(encode_stream(stream), {"ifm": x})
     probabilities = (outputs["ofm"].astype(int).reshape(6, 10) + 128).sum(axis=1)
     assert np.all(np.abs(probabilities - 256) <= 10)
+
+
+def _ort_commands():
+    """One ONNXRUNTIME command of each payload that carries scales (format 1.2)."""
+    from simulator import Command, FeatureMap, Rounding
+    from simulator.isa import Pooling, Reduction
+
+    ort = Rounding.ONNXRUNTIME
+    zeros = dict(output_multiplier=0, output_shift=0)
+    mul = _elementwise_command(Opcode.MUL, rounding=ort, input_scale=0.02, input2_scale=0.031, output_scale=0.011,
+                               **zeros)
+    mean = Command(Opcode.MEAN, Reduction(FeatureMap(0, 3, 4, 8), FeatureMap(128, 1, 1, 8), -5, 7, 0, 0,
+                                          rounding=ort, input_scale=0.05, output_scale=0.04), layer="mean")
+    pool = Command(Opcode.AVG_POOL2D, Pooling(FeatureMap(0, 4, 4, 2), FeatureMap(64, 2, 2, 2), 2, 2, 2, 2, 0, 0, 0, 0,
+                                              rounding=ort, input_scale=0.05, input_zero_point=-3,
+                                              output_scale=0.07, output_zero_point=9), layer="pool")
+    return mul, mean, pool
+
+
+def test_onnxruntime_fields_round_trip():
+    """Format 1.2: the float32 scales survive encoding exactly (the payloads hold float32 values)."""
+    stream = _compute_stream(*_ort_commands())
+    decoded = decode_stream(encode_stream(stream))
+    assert decoded == stream and decoded.version == FORMAT_VERSION == (1, 2)
+    mul, mean, pool = (c.payload for c in decoded.commands)
+    assert (mul.input_scale, mul.input2_scale, mul.output_scale) == tuple(
+        float(np.float32(s)) for s in (0.02, 0.031, 0.011))
+    assert (mean.input_scale, mean.output_scale) == (float(np.float32(0.05)), float(np.float32(0.04)))
+    assert (pool.rounding.name, pool.input_zero_point, pool.output_zero_point) == ("ONNXRUNTIME", -3, 9)
+    validate_stream(decoded, CONFIG)
+
+
+def test_older_streams_decode_with_tflite_defaults():
+    """A 1.1 stream carries none of the 1.2 fields: they decode as the TFLite mode's zeros and still validate."""
+    from simulator import Command, FeatureMap
+    from simulator.isa import Pooling
+
+    pool = Command(Opcode.AVG_POOL2D, Pooling(FeatureMap(0, 4, 4, 2), FeatureMap(64, 2, 2, 2), 2, 2, 2, 2, 0, 0, 0, 0))
+    old = dataclasses.replace(_compute_stream(_elementwise_command(Opcode.SUB), pool), version=(1, 1))
+    decoded = decode_stream(encode_stream(old))
+    assert decoded == old
+    sub, pool = (c.payload for c in decoded.commands)
+    assert (sub.rounding.name, sub.input_scale) == (pool.rounding.name, pool.output_scale) == ("TFLITE_DOUBLE", 0)
+    validate_stream(decoded, CONFIG)
+
+
+@pytest.mark.parametrize("index, changes, message", [
+    (0, dict(input_scale=0.0), "ONNXRUNTIME input_scale 0.0 must be positive and finite"),
+    (0, dict(output_scale=float("nan")), "ONNXRUNTIME output_scale nan must be positive"),
+    (0, dict(input2_scale=float("inf")), "input2_scale inf must be positive"),
+    (0, dict(output_multiplier=1 << 30), "computes with the scales; output_multiplier must be 0"),
+    (0, dict(left_shift=20), "left_shift must be 0"),
+    (1, dict(multiplier=1 << 30, shift=-3), "multiplier, shift must be 0"),
+    (1, dict(output_scale=-0.5), "output_scale -0.5 must be positive"),
+    (2, dict(input_scale=0.0), "input_scale 0.0 must be positive"),
+    (2, dict(output_zero_point=128), "output_zero_point 128 is outside int8"),
+])
+def test_validation_of_onnxruntime_commands(index, changes, message):
+    commands = list(_ort_commands())
+    commands[index] = dataclasses.replace(commands[index], payload=dataclasses.replace(commands[index].payload,
+                                                                                         **changes))
+    with pytest.raises(StreamError, match=message):
+        validate_stream(_compute_stream(*commands), CONFIG)
+
+
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_scales_need_onnxruntime_rounding(index):
+    """In a TFLite mode nothing reads the scales: a stream that sets them is refused, not silently ignored."""
+    from simulator import Rounding
+
+    command = _ort_commands()[index]
+    fixed_point = {0: dict(output_multiplier=1936639616, output_shift=-4), 1: dict(multiplier=1 << 30, shift=-3),
+                   2: {}}[index]
+    tflite = dataclasses.replace(command.payload, rounding=Rounding.TFLITE_DOUBLE, **fixed_point)
+    with pytest.raises(StreamError, match="only ONNXRUNTIME reads"):
+        validate_stream(_compute_stream(dataclasses.replace(command, payload=tflite)), CONFIG)
+
+
+def test_max_pool_ignores_the_onnxruntime_fields():
+    from simulator import Command
+
+    pool = _ort_commands()[2]
+    validate_stream(_compute_stream(Command(Opcode.MAX_POOL2D, pool.payload)), CONFIG)
+
+
+def test_onnxruntime_mac_rounding_runs_from_decoded_bytes():
+    """A conv layer compiled with ONNXRUNTIME rounding: its scale/bias table holds the double scales."""
+    from simulator import Rounding
+    from simulator.numerics import float_scales
+
+    p = random_params(np.random.default_rng(4), NpuOp.CONV2D, (1, 5, 5, 2), out_channels=3)
+    p = dataclasses.replace(p, rounding=Rounding.ONNXRUNTIME)
+    stream = layer_stream(p, CONFIG)
+    conv = next(c.payload for c in stream.commands if c.opcode == Opcode.CONV2D)
+    assert conv.rounding == Rounding.ONNXRUNTIME
+    table = next(b for b in stream.buffers if b.name.endswith("scale_bias"))
+    scales = np.frombuffer(table.data, "<i4").reshape(-1, 3)[:, 1:].copy().view(np.float64).ravel()
+    np.testing.assert_array_equal(scales, float_scales(p.input_scale, p.weight_scales, p.output_scale))
+    outputs, _ = run_stream(encode_stream(stream), {"ifm": np.ones(p.ifm_shape, np.int8)})
+    assert outputs["ofm"].shape == p.ofm_shape
+
+
+def test_mutated_onnxruntime_streams_fail_only_with_npu_errors():
+    """Flipped bytes in the float32 scales (NaN, inf, huge, negative) end in NpuError or a result, never a crash."""
+    import random
+
+    from simulator import Buffer, Command, NpuError
+
+    dma_in = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.DRAM, 0, 0, MemorySpace.SRAM, -1, 0, 32))
+    dma_in2 = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.DRAM, 0, 0, MemorySpace.SRAM, -1, 32, 32))
+    dma_out = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.SRAM, -1, 64, MemorySpace.DRAM, 1, 0, 8))
+    buffers = (Buffer("ifm", BufferKind.INPUT, 32, shape=(1, 4, 4, 2)), Buffer("ofm", BufferKind.OUTPUT, 8, shape=(8,)))
+    data = encode_stream(CommandStream("ort", CONFIG.name, buffers, (dma_in, dma_in2, *_ort_commands(), dma_out)))
+    rng = random.Random(99)
+    for _ in range(300):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 4)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        try:
+            stream = decode_stream(bytes(mutated))
+            validate_stream(stream, get_config(stream.config))
+            run_stream(stream, {b.name: np.zeros(b.shape, b.dtype) for _, b in stream.buffers_of(BufferKind.INPUT)})
+        except NpuError:
+            pass

@@ -1,4 +1,10 @@
-"""Fixed-point multipliers (and look-up tables) of each operator, prepared exactly as TFLite does.
+"""Fixed-point multipliers (and look-up tables) of each operator, prepared exactly as the reference does.
+
+TFLite roundings: TFLite's own preparation (fixed-point multipliers, integer
+tables). ``Rounding.ONNXRUNTIME``: the MAC array gets double scales, the
+elementwise, mean and pooling units compute with the float32 scales
+themselves (no multipliers), and tables are onnxruntime's float32 function
+of every dequantized input.
 
 The pattern check calls this too, so an operator whose scales cannot be
 represented stays on the host instead of failing at code generation.
@@ -8,20 +14,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator import numerics
+from simulator import mlas, numerics
 
-from ..errors import QParamError
+from ..errors import QParamError, UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                      PoolParams, ReshapeParams, SoftmaxParams)
+                      PoolParams, ReshapeParams, SoftmaxParams, TransposeParams)
 
 
 def conv_multipliers(p: ConvParams):
     """Per-channel (multiplier, shift); per-tensor fully connected multiplies scales in float32.
 
-    With ``Rounding.FLOAT64`` the pair is the float64 scale split into its two
-    32-bit halves, the layout the output stage reads in that mode.
+    With ``Rounding.FLOAT64`` and ``Rounding.ONNXRUNTIME`` the pair is the
+    float64 scale split into its two 32-bit halves, the layout the output
+    stage reads in those modes.
     """
-    if p.rounding == numerics.Rounding.FLOAT64:
+    if p.rounding in (numerics.Rounding.FLOAT64, numerics.Rounding.ONNXRUNTIME):
         words = numerics.float_scales(p.input_scale, p.weight_scales, p.output_scale).view(np.int32)
         return words[0::2].copy(), words[1::2].copy()
     if p.op == NpuOp.FULLY_CONNECTED and not p.per_channel:
@@ -44,7 +51,19 @@ ELEMENTWISE_PREPARE = {
 """(m1, s1, m2, s2, m_out, s_out) of each binary operator, as TFLite's Prepare computes them."""
 
 
+def _check_ort_scales(**scales: float) -> None:
+    """onnxruntime divides by and multiplies with the float32 scales: each must be positive and finite."""
+    for name, scale in scales.items():
+        value = np.float32(scale)
+        if not (np.isfinite(value) and value > 0):
+            raise QParamError(f"{name} {scale} must be positive and finite")
+
+
 def elementwise_multipliers(p: ElementwiseParams):
+    """(m1, s1, m2, s2, m_out, s_out); all 0 under ``Rounding.ONNXRUNTIME``, which uses the scales."""
+    if p.rounding == numerics.Rounding.ONNXRUNTIME:
+        _check_ort_scales(input_scale=p.input_scale, input2_scale=p.input2_scale, output_scale=p.output_scale)
+        return (0, 0, 0, 0, 0, 0)
     return ELEMENTWISE_PREPARE[p.op](p.input_scale, p.input2_scale, p.output_scale, p.rounding)
 
 
@@ -54,12 +73,36 @@ def softmax_multiplier(p: SoftmaxParams):
 
 
 def mean_multiplier(p: MeanParams):
+    """(multiplier, shift) with 1 / count folded in; (0, 0) under ``Rounding.ONNXRUNTIME``, which uses the scales."""
+    if p.rounding == numerics.Rounding.ONNXRUNTIME:
+        _check_ort_scales(input_scale=p.input_scale, output_scale=p.output_scale)
+        return 0, 0
     _, height, width, _ = p.ifm_shape
     return numerics.mean_multiplier(p.input_scale, p.output_scale, height * width, p.rounding)
 
 
-def no_multipliers(p: PoolParams | ReshapeParams | ConcatParams | PadParams):
-    """Pooling, reshape, concat and pad keep their inputs' qparams: nothing to rescale."""
+def no_multipliers(p: ReshapeParams | ConcatParams | PadParams):
+    """Reshape, concat and pad keep their inputs' qparams: nothing to rescale."""
+    return ()
+
+
+def pool_qparams(p: PoolParams):
+    """Pooling rescales nothing, except onnxruntime's average: it needs the qparams of both sides.
+
+    onnxruntime's max pool of a QDQ graph requantizes too when the output
+    qparams differ from the input's; the max pooling unit cannot, so that is refused.
+    """
+    if p.rounding != numerics.Rounding.ONNXRUNTIME:
+        return ()
+    if p.op == NpuOp.AVG_POOL2D:
+        if p.input_scale == 0.0 or p.output_scale == 0.0:
+            raise UnsupportedOpError("an onnxruntime average pool needs its qparams: its float average is "
+                                     "requantized from the input's to the output's")
+        _check_ort_scales(input_scale=p.input_scale, output_scale=p.output_scale)
+    elif p.output_scale != 0.0 and ((p.input_scale, p.input_zero_point) != (p.output_scale, p.output_zero_point)):
+        raise UnsupportedOpError(f"max pool input qparams ({p.input_scale:g}, {p.input_zero_point}) differ from "
+                                 f"the output's ({p.output_scale:g}, {p.output_zero_point}): the max pooling unit "
+                                 f"cannot requantize")
     return ()
 
 
@@ -70,8 +113,32 @@ FIXED_OUTPUT_ACTIVATIONS = {
 """Table generator and the output qparams TFLite's int8 kernel requires, per activation."""
 
 
+ORT_TABLE_FUNCTIONS = {
+    NpuOp.SIGMOID: mlas.logistic,
+    NpuOp.TANH: mlas.tanh,
+    NpuOp.HARD_SWISH: mlas.hard_swish,
+    NpuOp.REQUANTIZE: np.float32,
+}
+"""onnxruntime's float32 function of each table operator (MLAS's kernels; a requantize is DQ -> Q);
+LEAKY_RELU takes its alpha in :func:`numerics.qdq_leaky_relu_table`."""
+
+
+def ort_lut_table(p: LutParams) -> np.ndarray:
+    """onnxruntime's ``Q(f(DQ(q)))`` for every int8 q; any output qparams (onnxruntime fixes none)."""
+    args = (p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+    if p.op == NpuOp.LEAKY_RELU:
+        return numerics.qdq_leaky_relu_table(*args, p.alpha)
+    try:
+        function = ORT_TABLE_FUNCTIONS[p.op]
+    except KeyError:
+        raise UnsupportedOpError(f"no onnxruntime table for {p.op.value}") from None
+    return numerics.qdq_table(function, *args)
+
+
 def lut_table(p: LutParams) -> np.ndarray:
     """The 256-entry table; TFLite's int8 activations only exist for their fixed output qparams."""
+    if p.rounding == numerics.Rounding.ONNXRUNTIME:
+        return ort_lut_table(p)
     if p.op == NpuOp.REQUANTIZE:
         return numerics.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op == NpuOp.HARD_SWISH:
@@ -87,9 +154,9 @@ def lut_table(p: LutParams) -> np.ndarray:
 
 
 DERIVE = {ConvParams: conv_multipliers, ElementwiseParams: elementwise_multipliers, MeanParams: mean_multiplier,
-          PoolParams: no_multipliers, ReshapeParams: no_multipliers, LutParams: lut_table,
+          PoolParams: pool_qparams, ReshapeParams: no_multipliers, LutParams: lut_table,
           ConcatParams: no_multipliers, PadParams: no_multipliers,
-          SoftmaxParams: softmax_multiplier}
+          SoftmaxParams: softmax_multiplier, TransposeParams: no_multipliers}
 
 
 def derive_multipliers(p: NpuParams):

@@ -152,7 +152,28 @@ class Elementwise(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
-def ElementwiseStart(builder): builder.StartObject(16)
+    # Elementwise
+    def InputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(36))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+    # Elementwise
+    def Input2Scale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(38))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+    # Elementwise
+    def OutputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(40))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+def ElementwiseStart(builder): builder.StartObject(19)
 def Start(builder):
     return ElementwiseStart(builder)
 def ElementwiseAddIfm(builder, ifm): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(ifm), 0)
@@ -203,6 +224,15 @@ def AddActMax(builder, actMax):
 def ElementwiseAddRounding(builder, rounding): builder.PrependUint8Slot(15, rounding, 0)
 def AddRounding(builder, rounding):
     return ElementwiseAddRounding(builder, rounding)
+def ElementwiseAddInputScale(builder, inputScale): builder.PrependFloat32Slot(16, inputScale, 0.0)
+def AddInputScale(builder, inputScale):
+    return ElementwiseAddInputScale(builder, inputScale)
+def ElementwiseAddInput2Scale(builder, input2Scale): builder.PrependFloat32Slot(17, input2Scale, 0.0)
+def AddInput2Scale(builder, input2Scale):
+    return ElementwiseAddInput2Scale(builder, input2Scale)
+def ElementwiseAddOutputScale(builder, outputScale): builder.PrependFloat32Slot(18, outputScale, 0.0)
+def AddOutputScale(builder, outputScale):
+    return ElementwiseAddOutputScale(builder, outputScale)
 def ElementwiseEnd(builder): return builder.EndObject()
 def End(builder):
     return ElementwiseEnd(builder)

@@ -120,7 +120,42 @@ class Pooling(object):
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return 0
 
-def PoolingStart(builder): builder.StartObject(12)
+    # Pooling
+    def Rounding(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(28))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+    # Pooling
+    def InputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(30))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+    # Pooling
+    def InputZeroPoint(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(32))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+    # Pooling
+    def OutputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(34))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+    # Pooling
+    def OutputZeroPoint(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(36))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
+        return 0
+
+def PoolingStart(builder): builder.StartObject(17)
 def Start(builder):
     return PoolingStart(builder)
 def PoolingAddIfm(builder, ifm): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(ifm), 0)
@@ -159,6 +194,21 @@ def AddActMin(builder, actMin):
 def PoolingAddActMax(builder, actMax): builder.PrependInt32Slot(11, actMax, 0)
 def AddActMax(builder, actMax):
     return PoolingAddActMax(builder, actMax)
+def PoolingAddRounding(builder, rounding): builder.PrependUint8Slot(12, rounding, 0)
+def AddRounding(builder, rounding):
+    return PoolingAddRounding(builder, rounding)
+def PoolingAddInputScale(builder, inputScale): builder.PrependFloat32Slot(13, inputScale, 0.0)
+def AddInputScale(builder, inputScale):
+    return PoolingAddInputScale(builder, inputScale)
+def PoolingAddInputZeroPoint(builder, inputZeroPoint): builder.PrependInt32Slot(14, inputZeroPoint, 0)
+def AddInputZeroPoint(builder, inputZeroPoint):
+    return PoolingAddInputZeroPoint(builder, inputZeroPoint)
+def PoolingAddOutputScale(builder, outputScale): builder.PrependFloat32Slot(15, outputScale, 0.0)
+def AddOutputScale(builder, outputScale):
+    return PoolingAddOutputScale(builder, outputScale)
+def PoolingAddOutputZeroPoint(builder, outputZeroPoint): builder.PrependInt32Slot(16, outputZeroPoint, 0)
+def AddOutputZeroPoint(builder, outputZeroPoint):
+    return PoolingAddOutputZeroPoint(builder, outputZeroPoint)
 def PoolingEnd(builder): return builder.EndObject()
 def End(builder):
     return PoolingEnd(builder)

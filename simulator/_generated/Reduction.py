@@ -99,7 +99,21 @@ class Reduction(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
-def ReductionStart(builder): builder.StartObject(9)
+    # Reduction
+    def InputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+    # Reduction
+    def OutputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+def ReductionStart(builder): builder.StartObject(11)
 def Start(builder):
     return ReductionStart(builder)
 def ReductionAddIfm(builder, ifm): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(ifm), 0)
@@ -129,6 +143,12 @@ def AddActMax(builder, actMax):
 def ReductionAddRounding(builder, rounding): builder.PrependUint8Slot(8, rounding, 0)
 def AddRounding(builder, rounding):
     return ReductionAddRounding(builder, rounding)
+def ReductionAddInputScale(builder, inputScale): builder.PrependFloat32Slot(9, inputScale, 0.0)
+def AddInputScale(builder, inputScale):
+    return ReductionAddInputScale(builder, inputScale)
+def ReductionAddOutputScale(builder, outputScale): builder.PrependFloat32Slot(10, outputScale, 0.0)
+def AddOutputScale(builder, outputScale):
+    return ReductionAddOutputScale(builder, outputScale)
 def ReductionEnd(builder): return builder.EndObject()
 def End(builder):
     return ReductionEnd(builder)

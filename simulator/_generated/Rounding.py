@@ -6,3 +6,4 @@ class Rounding(object):
     TFLITE_DOUBLE = 0
     TFLITE_SINGLE = 1
     FLOAT64 = 2
+    ONNXRUNTIME = 3
