@@ -92,7 +92,7 @@ def cmd_compile(args) -> int:
     from npu_backend.codegen import lower_module
     from simulator.stream import encode_stream
 
-    mod = npu_backend.partition_for_npu(npu_backend.load_tflite(args.model), args.preset)
+    mod = npu_backend.partition_for_npu(npu_backend.load_model(args.model), args.preset, args.reference)
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
     streams = lower_module(mod)
@@ -110,13 +110,13 @@ def cmd_compile(args) -> int:
 def cmd_partition(args) -> int:
     import npu_backend
 
-    report = npu_backend.partition_report(npu_backend.partition_for_npu(npu_backend.load_tflite(args.model),
-                                                                          args.preset))
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(npu_backend.load_model(args.model),
+                                                                          args.preset, args.reference))
     print(report.to_json() if args.json else report.format_table())
     return 0
 
 
-def _reference_outputs(model: str, inputs: list[np.ndarray]):
+def _tflite_outputs(model: str, inputs: list[np.ndarray]):
     """TFLite's reference kernels (BUILTIN_REF), or None when ai-edge-litert is absent."""
     try:
         from ai_edge_litert.interpreter import Interpreter, OpResolverType
@@ -128,6 +128,44 @@ def _reference_outputs(model: str, inputs: list[np.ndarray]):
         interpreter.set_tensor(detail["index"], value)
     interpreter.invoke()
     return [interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()]
+
+
+def _onnxruntime_outputs(model: str, inputs: list[np.ndarray]):
+    """onnxruntime executing the QDQ graph literally (optimizations off), or None when it is absent."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = 1
+    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
+    feeds = {i.name: x for i, x in zip(session.get_inputs(), inputs)}
+    return session.run(None, feeds)
+
+
+REFERENCES = {".tflite": ("TFLite BUILTIN_REF", _tflite_outputs, "ai-edge-litert"),
+              ".onnx": ("onnxruntime, optimizations off", _onnxruntime_outputs, "onnxruntime")}
+"""Per model type: the runtime the NPU must match, how to run it, and the package it needs."""
+
+
+def _random_input(func, param, rng) -> np.ndarray:
+    """A random input: any int8 value, or for a float input a point of the grid its quantize maps exactly."""
+    shape, dtype = tuple(int(d) for d in param.ty.shape.values), str(param.ty.dtype)
+    if np.issubdtype(np.dtype(dtype), np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max + 1, shape).astype(dtype)
+    from npu_backend.qparams import per_tensor_qparams
+
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if getattr(getattr(value, "op", None), "name", "") == "relax.quantize" and value.args[0].same_as(param):
+                qp = per_tensor_qparams(value)
+                if qp is not None:
+                    q = rng.integers(-128, 128, shape).astype(np.int32)
+                    return ((q - qp.zero_point).astype(np.float32) * np.float32(qp.scale)).astype(dtype)
+    raise NpuError(f"input {param.name} is {dtype} and not quantized per tensor; pass it with --input")
 
 
 def _print_placement(report) -> None:
@@ -148,45 +186,42 @@ def cmd_run(args) -> int:
 
     import npu_backend
 
-    mod = npu_backend.load_tflite(args.model)
-    partitioned = npu_backend.partition_for_npu(mod, args.preset)
+    mod = npu_backend.load_model(args.model)
+    partitioned = npu_backend.partition_for_npu(mod, args.preset, args.reference)
     _print_placement(npu_backend.partition_report(partitioned))
     executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm")
     vm = relax.VirtualMachine(executable, tvm.cpu())
     rng = np.random.default_rng(args.seed)
-    inputs = []
-    for param in mod["main"].params:
-        shape, dtype = tuple(int(d) for d in param.ty.shape.values), str(param.ty.dtype)
-        info = np.iinfo(dtype) if np.issubdtype(np.dtype(dtype), np.integer) else None
-        if info is None:
-            raise NpuError(f"input {param.name} is {dtype}; npu run feeds integer models only")
-        inputs.append(rng.integers(info.min, info.max + 1, shape).astype(dtype))
     if args.input:
         inputs = [_load_npy(p) for p in args.input]
+    else:
+        inputs = [_random_input(mod["main"], param, rng) for param in mod["main"].params]
     with npu_backend.profile() as prof:
         result = vm["main"](*[tvm.runtime.tensor(x) for x in inputs])
     outputs = [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]
     print(prof.summary())
-    reference = None if args.no_reference else _reference_outputs(args.model, inputs)
+    name, run_reference, package = REFERENCES[Path(args.model).suffix.lower()]
+    reference = None if args.no_reference else run_reference(args.model, inputs)
     if reference is None:
-        print("reference: skipped (install ai-edge-litert, e.g. pip install 'npu-backend[reference]')")
+        print(f"reference: skipped (install {package}, e.g. pip install 'npu-backend[reference]')")
         return 0
     total = sum(r.size for r in reference)
     mismatched = sum(int(np.count_nonzero(o != r)) for o, r in zip(outputs, reference))
     verdict = "MATCH" if mismatched == 0 else "MISMATCH"
-    print(f"reference (TFLite BUILTIN_REF): {verdict}, {total - mismatched} of {total} output elements bit-exact")
+    print(f"reference ({name}): {verdict}, {total - mismatched} of {total} output elements bit-exact")
     return 0 if mismatched == 0 else 1
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npu", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="compile a TFLite model, run it (NPU regions on the simulator), check it")
+    run = sub.add_parser("run", help="compile a .tflite or .onnx model, run it (NPU regions on the simulator), "
+                                     "compare with its reference runtime")
     run.add_argument("model")
     run.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     run.add_argument("--seed", type=int, default=0, help="seed of the random input")
     run.add_argument("--input", action="append", help="input .npy, one per model input, in order")
-    run.add_argument("--no-reference", action="store_true", help="do not compare with TFLite")
+    run.add_argument("--no-reference", action="store_true", help="do not compare with the reference runtime")
     run.set_defaults(func=cmd_run)
     comp = sub.add_parser("compile", help="write one .npucmd command stream per NPU region")
     comp.add_argument("model")
@@ -197,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("model")
     part.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
     part.add_argument("--json", action="store_true", help="machine-readable report")
+    for command in (run, comp, part):
+        command.add_argument("--reference", default="auto", choices=["auto", "tflite", "onnxruntime"],
+                             help="whose rounding to reproduce (default: the model file's own runtime)")
     part.set_defaults(func=cmd_partition)
     insp = sub.add_parser("inspect", help="validate and print a command stream")
     insp.add_argument("stream")

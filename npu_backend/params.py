@@ -41,6 +41,7 @@ order of first use in its body, which says nothing about their roles.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import get_type_hints
@@ -70,6 +71,7 @@ class NpuOp(str, Enum):
     SUBTRACT = "subtract"
     MULTIPLY = "multiply"
     SOFTMAX = "softmax"
+    TRANSPOSE = "transpose"
 
 
 @dataclass(frozen=True)
@@ -220,6 +222,22 @@ class SoftmaxParams:
     """Only TFLite's integer softmax exists on the NPU; onnxruntime's float softmax stays on the host."""
 
 
+@dataclass(frozen=True)
+class TransposeParams:
+    """An int8 transpose that is a 2-D transpose of a batch-1 tensor: axes 1..k moved behind the rest
+    (NHWC <-> NCHW at the edges of an ONNX graph). Bytes move by strided DMA; qparams unchanged."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    axes: tuple[int, ...]
+
+    @property
+    def matrix(self) -> tuple[int, int]:
+        """(rows, columns) of the row-major matrix whose transpose this is."""
+        k = self.axes[1] - 1
+        return math.prod(self.ifm_shape[1:k + 1]), math.prod(self.ifm_shape[k + 1:])
+
+
 OPERANDS_ATTR = "npu.operands"
 """Composite attribute: parameter indices in operand order (see the module docstring)."""
 
@@ -229,7 +247,7 @@ addend of a binary op and the third input of a concat; no pattern has both)."""
 
 
 NpuParams = (ConvParams | ElementwiseParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
-             | PadParams | SoftmaxParams)
+             | PadParams | SoftmaxParams | TransposeParams)
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
@@ -250,6 +268,7 @@ RECORD_OF_OP = {
     NpuOp.SUBTRACT: ElementwiseParams,
     NpuOp.MULTIPLY: ElementwiseParams,
     NpuOp.SOFTMAX: SoftmaxParams,
+    NpuOp.TRANSPOSE: TransposeParams,
 }
 
 

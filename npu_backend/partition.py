@@ -15,7 +15,7 @@ from .patterns import ENTRIES_BY_NAME, PREFIX, PartitionContext, registered_patt
 from .patterns.table import ACTIVE_CONTEXT, extract_params
 from .reference import Reference, resolve_reference
 from .errors import NpuError
-from .report import NO_PATTERN, REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings
+from .report import REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings, unmatched_reason
 
 
 def _match_annotations(name: str, func: relax.Function):
@@ -128,7 +128,7 @@ def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: 
             region, composite = placement[var]
             rows.append(OpPlacement(var, op, "npu", composite=composite, region=region))
         else:
-            rows.append(OpPlacement(var, op, "host", reason="; ".join(reasons.get(var, [NO_PATTERN]))))
+            rows.append(OpPlacement(var, op, "host", reason="; ".join(reasons.get(var, [unmatched_reason(op)]))))
     return PartitionReport(context.config.name, tuple(rows))
 
 

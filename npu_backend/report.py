@@ -17,6 +17,16 @@ from .errors import NpuError
 
 REPORT_ATTR = "npu.partition_report"
 NO_PATTERN = "no NPU pattern covers this operator"
+FLOAT_BOUNDARY = {
+    "relax.quantize": "float to int8 quantization (e.g. of a float model input): the NPU computes only on int8",
+    "relax.dequantize": "int8 to float dequantization (e.g. to a float model output): the NPU computes only on int8",
+}
+"""Why a quantize/dequantize no composite absorbed stays on the host: it is where float data begins or ends."""
+
+
+def unmatched_reason(op: str) -> str:
+    """The reason for a host operator that no NPU pattern claimed."""
+    return FLOAT_BOUNDARY.get(op, NO_PATTERN)
 
 
 @dataclass(frozen=True)

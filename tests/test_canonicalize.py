@@ -115,3 +115,73 @@ def test_integer_mean_of_a_non_int8_tensor_is_left_alone():
         bb.emit_func_output(gv)
     before = bb.get()
     tvm.ir.assert_structural_equal(canonicalize(before), before)
+
+
+def _residual_module(activation=None):
+    """y = conv-free residual: add(dequantize(a), dequantize(b)) where b's dequantize also feeds a second add,
+    and the first operand's dequantize is bound *after* the second's (composite parameters then come in the
+    opposite order of the operands)."""
+    from relax_idioms import f32, i32
+
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((1, 4, 4, 8), "int8"))
+    b = relax.Var("b", relax.TensorType((1, 4, 4, 8), "int8"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            db = bb.emit(relax.op.dequantize(b, f32(0.02), i32(7), axis=0))
+            da = bb.emit(relax.op.dequantize(a, f32(0.05), i32(-3), axis=0))
+            s = bb.emit(relax.op.add(da, db))
+            if activation is not None:
+                s = bb.emit(activation(s))
+            q1 = bb.emit(relax.op.quantize(s, f32(0.06), i32(-10), axis=0, out_dtype="int8"))
+            s2 = bb.emit(relax.op.add(db, relax.op.dequantize(q1, f32(0.06), i32(-10), axis=0)))
+            gv = bb.emit_output(relax.op.quantize(s2, f32(0.07), i32(2), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def _tflite_add(x1, q1, x2, q2, q_out, clamp=(-128, 127)):
+    import reference_kernels as ref
+
+    out = [ref.add([int(u)], [int(v)], float(np.float32(q1[0])), q1[1], float(np.float32(q2[0])), q2[1],
+                   float(np.float32(q_out[0])), q_out[1], clamp)[0] for u, v in zip(x1.ravel(), x2.ravel())]
+    return np.array(out, dtype=np.int8).reshape(x1.shape)
+
+
+@pytest.mark.parametrize("activation, clamp", [(None, (-128, 127)), (relax.op.nn.relu, (-10, 127))])
+def test_shared_dequantize_and_operand_order_and_float_relu(activation, clamp):
+    """A dequantize shared by two adds is duplicated, each add reads its operands in role order (not the
+    order of its composite's parameters), and a float relu before the quantize becomes the clamp [z, 127]."""
+    mod = npu_backend.partition_for_npu(_residual_module(activation))
+    found = composites(mod)
+    assert [name for name, _ in found] == ["npu.add", "npu.add"] and not npu_backend.partition_report(mod).host_ops
+    first = found[0][1]
+    assert (first.input_scale, first.input_zero_point, first.input2_scale, first.input2_zero_point) == (
+        np.float32(0.05), -3, np.float32(0.02), 7)
+    assert first.clamp == clamp
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    rng = np.random.default_rng(5)
+    a, b = (rng.integers(-128, 128, (1, 4, 4, 8), dtype=np.int8) for _ in range(2))
+    q1 = _tflite_add(a, (0.05, -3), b, (0.02, 7), (0.06, -10), clamp)
+    want = _tflite_add(b, (0.02, 7), q1, (0.06, -10), (0.07, 2))
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy(), want)
+
+
+def test_float_relu6_becomes_the_clamp_of_its_quantized_bounds():
+    from relax_idioms import add_module
+
+    base = add_module(q_out=(0.05, 1))
+    func = base["main"]
+    # rebuild with a float clip(0, 6) between the add and the quantize
+    bb = relax.BlockBuilder()
+    a, b = func.params
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            da = bb.emit(relax.op.dequantize(a, relax.const(np.float32(0.03)), relax.const(np.int32(-5)), axis=0))
+            db = bb.emit(relax.op.dequantize(b, relax.const(np.float32(0.02)), relax.const(np.int32(7)), axis=0))
+            s = bb.emit(relax.op.clip(relax.op.add(da, db), 0.0, 6.0))
+            gv = bb.emit_output(relax.op.quantize(s, relax.const(np.float32(0.05)), relax.const(np.int32(1)), axis=0,
+                                                  out_dtype="int8"))
+        bb.emit_func_output(gv)
+    (name, p), = composites(npu_backend.partition_for_npu(bb.get()))
+    assert name == "npu.add" and p.clamp == (1, 121)  # z = 1; 6 / 0.05 = 120, + 1

@@ -15,14 +15,15 @@ from tvm import relax
 from simulator.config import NpuConfig, get_config
 from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
                            FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
-from simulator.numerics import ADD_LEFT_SHIFT
+from simulator.numerics import ADD_LEFT_SHIFT, Rounding
 
 from ..errors import UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams, SoftmaxParams, OPERANDS_ATTR, from_attrs)
-from .multipliers import conv_multipliers, elementwise_multipliers, lut_table, mean_multiplier, softmax_multiplier
+                      ReshapeParams, SoftmaxParams, TransposeParams, OPERANDS_ATTR, from_attrs)
+from .multipliers import (conv_multipliers, elementwise_multipliers, lut_table, mean_multiplier, pool_qparams,
+                          softmax_multiplier)
 from .plan import (LayerGeometry, TilePlan, plan_elementwise, plan_softmax, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean,
-                   plan_pad)
+                   plan_pad, plan_transpose)
 
 CONFIG_ATTR = "npu.preset"
 
@@ -111,10 +112,18 @@ ELEMENTWISE_LEFT_SHIFT = {NpuOp.ADD: ADD_LEFT_SHIFT, NpuOp.SUBTRACT: ADD_LEFT_SH
 
 
 def emit_elementwise(sb: StreamBuilder, p: ElementwiseParams, layer: str, sources: list[int], dst: int) -> None:
-    """Binary elementwise operator over flat chunks of both inputs."""
+    """Binary elementwise operator over flat chunks of both inputs.
+
+    TFLite roundings carry fixed-point multipliers; ``Rounding.ONNXRUNTIME``
+    carries the three float32 scales instead (and zeros for the rest).
+    """
     src, src2 = sources
     plan = plan_elementwise(p, sb.config)
     m1, s1, m2, s2, mo, so = elementwise_multipliers(p)
+    onnxruntime = p.rounding == Rounding.ONNXRUNTIME
+    left_shift = 0 if onnxruntime else ELEMENTWISE_LEFT_SHIFT[p.op]
+    scales = (dict(input_scale=p.input_scale, input2_scale=p.input2_scale, output_scale=p.output_scale)
+              if onnxruntime else {})
     total = int(np.prod(p.shape))
     for start in range(0, total, plan.chunk):
         count = min(plan.chunk, total - start)
@@ -125,8 +134,8 @@ def emit_elementwise(sb: StreamBuilder, p: ElementwiseParams, layer: str, source
             ofm=FeatureMap(plan.ofm_address, 1, count, 1), input_zero_point=p.input_zero_point,
             input2_zero_point=p.input2_zero_point, output_zero_point=p.output_zero_point,
             input_multiplier=m1, input_shift=s1, input2_multiplier=m2, input2_shift=s2,
-            output_multiplier=mo, output_shift=so, left_shift=ELEMENTWISE_LEFT_SHIFT[p.op], act_min=p.clamp[0],
-            act_max=p.clamp[1], rounding=p.rounding)
+            output_multiplier=mo, output_shift=so, left_shift=left_shift, act_min=p.clamp[0],
+            act_max=p.clamp[1], rounding=p.rounding, **scales)
         sb.commands.append(Command(ELEMENTWISE_OPCODES[p.op], op, layer))
         sb.dma(layer, dst, start, plan.ofm_address, count, to_sram=False)
 
@@ -147,28 +156,60 @@ def emit_softmax(sb: StreamBuilder, p: SoftmaxParams, layer: str, sources: list[
         sb.dma(layer, dst, r0 * depth, plan.ofm_address, count * depth, to_sram=False)
 
 
-def emit_mean(sb: StreamBuilder, p: MeanParams, layer: str, sources: list[int], dst: int) -> None:
-    """Spatial mean, a channel tile at a time (each tile holds the whole height x width)."""
+def emit_mean(sb: StreamBuilder, p: MeanParams, layer: str, sources: list[int], dst: int,
+              clamp: tuple[int, int] = (-128, 127)) -> None:
+    """Spatial mean, a channel tile at a time (each tile holds the whole height x width).
+
+    TFLite roundings carry the multiplier (1 / count folded in);
+    ``Rounding.ONNXRUNTIME`` carries the two float32 scales instead.
+    """
     (src,) = sources
     _, height, width, channels = p.ifm_shape
     plan = plan_mean(p, sb.config)
     multiplier, shift = mean_multiplier(p)
+    scales = (dict(input_scale=p.input_scale, output_scale=p.output_scale)
+              if p.rounding == Rounding.ONNXRUNTIME else {})
     for c0 in range(0, channels, plan.channel_tile):
         ct = min(plan.channel_tile, channels - c0)
         sb.feature_dma(layer, src, 0, height * width, channels, c0, ct, plan.ifm_address, to_sram=True)
         op = Reduction(ifm=FeatureMap(plan.ifm_address, height, width, ct), ofm=FeatureMap(plan.ofm_address, 1, 1, ct),
                        input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
-                       multiplier=multiplier, shift=shift, rounding=p.rounding)
+                       multiplier=multiplier, shift=shift, act_min=clamp[0], act_max=clamp[1], rounding=p.rounding,
+                       **scales)
         sb.commands.append(Command(Opcode.MEAN, op, layer))
         sb.feature_dma(layer, dst, 0, 1, channels, c0, ct, plan.ofm_address, to_sram=False)
 
 
+def is_ort_global_average(p: PoolParams) -> bool:
+    """An onnxruntime average pool whose window is the whole input, with stride 1 and no padding.
+
+    MLAS runs it with its global kernel (four lane sums), not the windowed one,
+    so it is lowered as the MEAN unit's onnxruntime mean, which sums in that order.
+    """
+    _, height, width, _ = p.ifm_shape
+    return (p.op == NpuOp.AVG_POOL2D and p.rounding == Rounding.ONNXRUNTIME and tuple(p.kernel) == (height, width)
+            and tuple(p.strides) == (1, 1) and not any(p.padding))
+
+
 def emit_pool(sb: StreamBuilder, p: PoolParams, layer: str, sources: list[int], dst: int) -> None:
-    """Pooling in (channel tile x row stripe) tiles, halos included, like a depthwise layer."""
+    """Pooling in (channel tile x row stripe) tiles, halos included, like a depthwise layer.
+
+    An onnxruntime average pool carries its qparams (it requantizes its float
+    average); one over the whole input becomes a MEAN (:func:`is_ort_global_average`).
+    """
+    pool_qparams(p)
+    if is_ort_global_average(p):
+        mean = MeanParams(op=NpuOp.MEAN, ifm_shape=p.ifm_shape, ofm_shape=p.ofm_shape, input_scale=p.input_scale,
+                          input_zero_point=p.input_zero_point, output_scale=p.output_scale,
+                          output_zero_point=p.output_zero_point, rounding=p.rounding)
+        return emit_mean(sb, mean, layer, sources, dst, clamp=p.clamp)
     (src,) = sources
     g = LayerGeometry.of(p)
     plan = plan_layer(p, sb.config)
     opcode = Opcode.MAX_POOL2D if p.op == NpuOp.MAX_POOL2D else Opcode.AVG_POOL2D
+    qparams = (dict(rounding=p.rounding, input_scale=p.input_scale, input_zero_point=p.input_zero_point,
+                    output_scale=p.output_scale, output_zero_point=p.output_zero_point)
+               if opcode == Opcode.AVG_POOL2D and p.rounding == Rounding.ONNXRUNTIME else {})
     for c0 in range(0, g.out_channels, plan.channel_tile):
         ct = min(plan.channel_tile, g.out_channels - c0)
         for oy0 in range(0, g.out_height, plan.row_tile):
@@ -180,7 +221,8 @@ def emit_pool(sb: StreamBuilder, p: PoolParams, layer: str, sources: list[int], 
                          ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct),
                          kernel_h=g.kernel[0], kernel_w=g.kernel[1], stride_h=g.strides[0],
                          stride_w=g.strides[1], pad_top=pad_top, pad_left=g.padding[1],
-                         pad_bottom=pad_bottom, pad_right=g.padding[3], act_min=p.clamp[0], act_max=p.clamp[1])
+                         pad_bottom=pad_bottom, pad_right=g.padding[3], act_min=p.clamp[0], act_max=p.clamp[1],
+                         **qparams)
             sb.commands.append(Command(opcode, op, layer))
             sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
                            plan.ofm_address, to_sram=False)
@@ -246,6 +288,31 @@ def emit_pad(sb: StreamBuilder, p: PadParams, layer: str, sources: list[int], ds
         sb.dma(layer, dst, r0 * out_row, 0, (r1 - r0) * out_row, to_sram=False)
 
 
+def emit_transpose(sb: StreamBuilder, p: TransposeParams, layer: str, sources: list[int], dst: int) -> None:
+    """A 2-D transpose by strided DMA: the output is the source matrix's columns, one after another.
+
+    Along the shorter side: with fewer rows, load whole rows and scatter each
+    into a column of the output (one byte per DMA row, output stride = rows);
+    with fewer columns, gather each column into SRAM and store them contiguously.
+    """
+    (src,) = sources
+    rows, columns = p.matrix
+    chunk = plan_transpose(p, sb.config)
+    if rows <= columns:
+        for r0 in range(0, rows, chunk):
+            count = min(chunk, rows - r0)
+            sb.dma(layer, src, r0 * columns, 0, count * columns)
+            for r in range(r0, r0 + count):
+                sb.dma(layer, dst, r, (r - r0) * columns, 1, rows=columns, dram_stride=rows, sram_stride=1,
+                       to_sram=False)
+    else:
+        for c0 in range(0, columns, chunk):
+            count = min(chunk, columns - c0)
+            for c in range(c0, c0 + count):
+                sb.dma(layer, src, c, (c - c0) * rows, 1, rows=rows, dram_stride=columns, sram_stride=1)
+            sb.dma(layer, dst, c0 * rows, 0, count * rows, to_sram=False)
+
+
 LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
@@ -254,6 +321,7 @@ LOWERINGS = {
     NpuOp.SUBTRACT: emit_elementwise,
     NpuOp.MULTIPLY: emit_elementwise,
     NpuOp.SOFTMAX: emit_softmax,
+    NpuOp.TRANSPOSE: emit_transpose,
     NpuOp.MEAN: emit_mean,
     NpuOp.MAX_POOL2D: emit_pool,
     NpuOp.AVG_POOL2D: emit_pool,

@@ -23,7 +23,7 @@ from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                      PoolParams, ReshapeParams, SoftmaxParams)
+                      PoolParams, ReshapeParams, SoftmaxParams, TransposeParams)
 
 SRAM_ALIGN = 16
 
@@ -235,9 +235,18 @@ def plan_pad(p: PadParams, config: NpuConfig) -> int:
     return min(rows, height + p.padding[0] + p.padding[2])
 
 
+def plan_transpose(p: TransposeParams, config: NpuConfig) -> int:
+    """Whole source rows (scatter) or columns (gather) per SRAM load, whichever side is shorter."""
+    rows, columns = p.matrix
+    line = max(rows, columns)
+    if line > config.sram_bytes:
+        raise UnsupportedOpError(f"a {line}-byte transpose line does not fit the {config.sram_bytes}-byte SRAM")
+    return min(min(rows, columns), config.sram_bytes // line)
+
+
 PLANNERS = {ConvParams: plan_layer, ElementwiseParams: plan_elementwise, MeanParams: plan_mean, PoolParams: plan_layer,
             ReshapeParams: plan_copy, LutParams: plan_lut, ConcatParams: plan_concat,
-            PadParams: plan_pad, SoftmaxParams: plan_softmax}
+            PadParams: plan_pad, SoftmaxParams: plan_softmax, TransposeParams: plan_transpose}
 
 
 def plan(p: NpuParams, config: NpuConfig):

@@ -24,7 +24,7 @@ from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams, SoftmaxParams)
+                      ReshapeParams, SoftmaxParams, TransposeParams)
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -384,3 +384,19 @@ def extract_softmax(annotations: Mapping[str, relax.Expr]) -> SoftmaxParams:
                           f"{SOFTMAX_OUTPUT[1]}, got {out_scale:g} and {out_zp}")
     return SoftmaxParams(op=NpuOp.SOFTMAX, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
                          output_scale=out_scale, output_zero_point=out_zp)
+
+
+def extract_transpose(annotations: Mapping[str, relax.Expr]) -> TransposeParams:
+    """A transpose of int8 data that rotates the non-batch axes (NCHW <-> NHWC)."""
+    x, permute = annotations["input"], annotations["anchor"]
+    if _dtype(x) != "int8":
+        raise UnsupportedOpError(f"transpose of {_dtype(x)} data is not an int8 tensor move")
+    shape = _shape(x)
+    rank = len(shape)
+    axes = tuple(int(a) for a in permute.attrs.axes) if permute.attrs.axes is not None else tuple(
+        reversed(range(rank)))
+    rotations = [(0, *range(k, rank), *range(1, k)) for k in range(2, rank)]
+    if rank < 3 or shape[0] != 1 or axes not in rotations:
+        raise UnsupportedOpError(f"transpose {list(axes)} of {list(shape)} is not a rotation of a batch-1 "
+                                 "tensor's axes (a 2-D transpose)")
+    return TransposeParams(op=NpuOp.TRANSPOSE, ifm_shape=shape, axes=axes)

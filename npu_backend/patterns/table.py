@@ -12,6 +12,7 @@ import contextvars
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tvm.ir.expr import Constant
 from tvm.relax.backend.pattern_registry import get_patterns_with_prefix, register_patterns
 from tvm.relax.backend.utils import has_leaking_intermediate_variables
 from tvm.relax.dpl.pattern import DFPattern, is_const, is_op, is_tuple, wildcard
@@ -19,13 +20,14 @@ from tvm.relax.dpl.pattern import DFPattern, is_const, is_op, is_tuple, wildcard
 from simulator.config import NpuConfig, get_config
 
 from ..errors import NpuError
-from ..params import NpuParams
+from ..params import OPERAND_ROLES, NpuParams
 from ..reference import Reference, follow_reference
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
 from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
                       extract_fully_connected, extract_hard_swish, extract_leaky_relu, extract_max_pool2d,
                       extract_mean, extract_multiply, extract_pad, extract_requantize, extract_reshape,
-                      extract_sigmoid, extract_softmax, extract_subtract, extract_tanh)
+                      extract_sigmoid, extract_softmax, extract_subtract, extract_tanh,
+                      extract_transpose)
 
 PREFIX = "npu"
 
@@ -159,6 +161,13 @@ def requantize_pattern(with_clip: bool):
     return quantize, dict(input=x, input_dq=input_dq, anchor=quantize, quantize=quantize)
 
 
+def transpose_pattern(with_clip: bool):
+    """permute_dims of int8 data (the layout conversion's transposes at a graph's edges)."""
+    x = wildcard()
+    permute = is_op("relax.permute_dims")(x)
+    return permute, dict(input=x, anchor=permute)
+
+
 def pad_pattern(with_clip: bool):
     """Constant padding of int8 data (TFLite PAD, the pad value being the zero point)."""
     x = wildcard()
@@ -219,6 +228,7 @@ OPERATORS = (
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.softmax", activation_pattern("relax.nn.softmax"), extract_softmax,
                  rules=ELEMENTWISE_RULES, clip_variant=False),
+    PatternEntry(f"{PREFIX}.transpose", transpose_pattern, extract_transpose, rules=(), clip_variant=False),
     PatternEntry(f"{PREFIX}.pad", pad_pattern, extract_pad, rules=(tiles_fit_sram,), clip_variant=False),
     *(PatternEntry(f"{PREFIX}.concat", concat_pattern(arity), extract_concat, rules=(tiles_fit_sram,),
                    clip_variant=False) for arity in range(2, MAX_CONCAT_INPUTS + 1)),
@@ -262,6 +272,8 @@ def _make_check(entry: PatternEntry):
         reason = None
         if has_leaking_intermediate_variables(context):
             reason = "an intermediate result is also used outside the fused operator"
+        elif any(isinstance(annotations.get(role), Constant) for role in OPERAND_ROLES):
+            reason = "an operand is a constant; the NPU reads operands from tensors the graph computes"
         else:
             try:
                 reason = first_violation(extract_params(entry, annotations, active.reference), active.config,

@@ -1,0 +1,53 @@
+"""End to end on ONNX QDQ fixtures (onnxruntime quantize_static): TVM import -> partition -> NPU.
+
+Every output element must equal onnxruntime's (graph optimizations off, the QDQ
+graph executed literally), stored by scripts/make_onnx_fixtures.py. The models
+take and return float tensors: only the quantize of the input and the
+dequantize of the output may stay on the host, with the float-boundary reason,
+and the partitioner must have picked onnxruntime's rounding on its own (the
+loader records the source).
+"""
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import npu_backend
+from conftest import FIXTURES
+from npu_backend.report import FLOAT_BOUNDARY
+from test_patterns import composites
+
+ONNX = FIXTURES / "onnx"
+MODELS = json.loads((ONNX / "MANIFEST.json").read_text())["models"]
+
+
+@pytest.fixture(scope="module", params=MODELS, ids=lambda m: m["name"])
+def compiled(request):
+    entry = request.param
+    partitioned = npu_backend.partition_for_npu(npu_backend.load_onnx(ONNX / entry["file"]))
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    return entry, partitioned, vm
+
+
+def test_only_the_float_boundary_stays_on_the_host(compiled):
+    entry, partitioned, _ = compiled
+    report = npu_backend.partition_report(partitioned)
+    assert [(o.op, o.reason) for o in report.host_ops] == [
+        ("relax.quantize", FLOAT_BOUNDARY["relax.quantize"]),
+        ("relax.dequantize", FLOAT_BOUNDARY["relax.dequantize"])], report.format_table()
+    found = composites(partitioned)
+    assert found and all(p.rounding.name == "ONNXRUNTIME" for _, p in found if hasattr(p, "rounding"))
+
+
+def test_outputs_equal_onnxruntime(compiled):
+    entry, _, vm = compiled
+    golden = np.load(ONNX / entry["file"].replace(".onnx", ".npz"))
+    for x, expected in zip(golden["inputs"], golden["outputs"]):
+        with npu_backend.profile() as prof:
+            got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        assert prof.runs and prof.total_cycles > 0, "nothing ran on the NPU"
+        mismatched = int(np.count_nonzero(got != expected))
+        assert mismatched == 0, f"{mismatched} of {got.size} elements differ from onnxruntime"
