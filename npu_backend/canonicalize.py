@@ -226,6 +226,30 @@ def _rewrite_float_activation(graph: "_GraphFacts"):
     return root, rewriter
 
 
+def _rewrite_identity_requantize(graph: "_GraphFacts"):
+    """``quantize(dequantize(x, s, z), s, z)`` of int8 ``x`` is ``x``.
+
+    ``f32(f32(x - z) * s) / s`` lies within a few ulps of the integer ``x - z``, so
+    any rounding returns it: the pair is an exact identity. ONNX graphs with
+    symmetric activations put one around every Relu, which the float-activation
+    rewrite turns into ``clip(quantize(dequantize(x)))``; without the pair the
+    clamp fuses into the operator that produced ``x``.
+    """
+    x = wildcard()
+    dequantized = is_op("relax.dequantize")(x, is_const(), is_const())
+    root = is_op("relax.quantize")(dequantized, is_const(), is_const())
+
+    def rewriter(orig, matched):
+        source = graph.var(matched[x])
+        qp = per_tensor_qparams(orig)
+        if (str(orig.attrs.out_dtype) != "int8" or str(source.ty.dtype) != "int8" or qp is None
+                or per_tensor_qparams(matched[dequantized]) != qp):
+            return orig
+        return source
+
+    return root, rewriter
+
+
 @dataclass(frozen=True)
 class _GraphFacts:
     """What rewriters may ask of the function being canonicalized."""
@@ -243,8 +267,8 @@ class _GraphFacts:
         return self.var2val.get(expr, expr)
 
 
-REWRITES = (_rewrite_constant_layout, _rewrite_constant_layout, _rewrite_float_activation, _rewrite_integer_conv,
-            _rewrite_unequal_concat, _rewrite_integer_mean)
+REWRITES = (_rewrite_constant_layout, _rewrite_constant_layout, _rewrite_float_activation,
+            _rewrite_identity_requantize, _rewrite_integer_conv, _rewrite_unequal_concat, _rewrite_integer_mean)
 """Each builds (pattern, rewriter) for one idiom; applied in order (the constant fold twice: a bias is
 reshaped, then transposed by the layout conversion)."""
 

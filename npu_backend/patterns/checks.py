@@ -12,7 +12,9 @@ from simulator.config import NpuConfig
 from ..codegen.multipliers import derive_multipliers
 from ..codegen.plan import plan
 from ..errors import NpuError
-from ..params import ConvParams, NpuParams
+from simulator.numerics import Rounding
+
+from ..params import ConvParams, NpuParams, PoolParams
 
 
 def kernel_fits(p: ConvParams, config: NpuConfig) -> str | None:
@@ -36,6 +38,14 @@ def dilation_fits(p: ConvParams, config: NpuConfig) -> str | None:
 def pool_kernel_fits(p: NpuParams, config: NpuConfig) -> str | None:
     if max(p.kernel) > config.max_pool_kernel:
         return f"pool window {p.kernel[0]}x{p.kernel[1]} exceeds the NPU maximum of {config.max_pool_kernel}"
+    return None
+
+
+def pool_requantization_supported(p: PoolParams, config: NpuConfig) -> str | None:
+    if p.rounding != Rounding.ONNXRUNTIME and p.output_scale != 0.0 and (
+            (p.input_scale, p.input_zero_point) != (p.output_scale, p.output_zero_point)):
+        return (f"TFLite's int8 pooling keeps its input's qparams ({p.input_scale:g}, {p.input_zero_point}), "
+                f"but the output's are ({p.output_scale:g}, {p.output_zero_point})")
     return None
 
 
@@ -70,7 +80,8 @@ CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window, mu
 
 ELEMENTWISE_RULES = (multipliers_representable, tiles_fit_sram)
 
-POOL_RULES = (pool_kernel_fits, stride_fits, padding_within_window, tiles_fit_sram)
+POOL_RULES = (pool_kernel_fits, stride_fits, padding_within_window, pool_requantization_supported,
+              multipliers_representable, tiles_fit_sram)
 """Rules of add and mean."""
 
 

@@ -14,6 +14,7 @@ optionally followed by an int8 ``clip`` (the fused ReLU/ReLU6);
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import numpy as np
@@ -284,6 +285,22 @@ def extract_avg_pool2d(annotations: Mapping[str, relax.Expr]) -> PoolParams:
     if str(annotations["widen"].attrs.dtype) != "int32" or str(annotations["narrow"].attrs.dtype) != "int8":
         raise UnsupportedOpError("average pooling must be computed on int32 casts of int8 data")
     return _pool(annotations, NpuOp.AVG_POOL2D)
+
+
+def _qdq_pool(op: NpuOp):
+    """Extraction of ``quantize(pool(dequantize(x)))``, the form ONNX QDQ graphs give pooling."""
+
+    def extract(annotations: Mapping[str, relax.Expr]) -> PoolParams:
+        _, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+        return dataclasses.replace(_pool(annotations, op), input_scale=in_scale, input_zero_point=in_zp,
+                                   output_scale=out_scale, output_zero_point=out_zp)
+
+    extract.__doc__ = f"{op.name} between a dequantize and a quantize, with both sides' qparams."
+    return extract
+
+
+extract_qdq_max_pool2d = _qdq_pool(NpuOp.MAX_POOL2D)
+extract_qdq_avg_pool2d = _qdq_pool(NpuOp.AVG_POOL2D)
 
 
 def extract_reshape(annotations: Mapping[str, relax.Expr]) -> ReshapeParams:

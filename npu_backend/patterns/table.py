@@ -25,7 +25,8 @@ from ..reference import Reference, follow_reference
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
 from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
                       extract_fully_connected, extract_hard_swish, extract_leaky_relu, extract_max_pool2d,
-                      extract_mean, extract_multiply, extract_pad, extract_requantize, extract_reshape,
+                      extract_mean, extract_multiply, extract_pad, extract_qdq_avg_pool2d,
+                      extract_qdq_max_pool2d, extract_requantize, extract_reshape,
                       extract_sigmoid, extract_softmax, extract_subtract, extract_tanh,
                       extract_transpose)
 
@@ -117,6 +118,19 @@ def avg_pool_pattern(with_clip: bool):
     pool = is_op("relax.nn.avg_pool2d")(widen)
     narrow = is_op("relax.astype")(pool)
     return _with_clip(narrow, dict(input=x, widen=widen, anchor=pool, narrow=narrow), with_clip)
+
+
+def qdq_pool_pattern(op_name: str):
+    """quantize(pool(dequantize(x))): pooling as ONNX QDQ graphs write it, qparams on both sides."""
+
+    def build(with_clip: bool):
+        x, input_dq = _dequantized_input()
+        pool = is_op(op_name)(input_dq)
+        quantize = is_op("relax.quantize")(pool, is_const(), is_const())
+        return _with_clip(quantize, dict(input=x, input_dq=input_dq, anchor=pool, quantize=quantize), with_clip)
+
+    build.__doc__ = f"quantize({op_name}(dequantize(x))) [-> int8 clip]."
+    return build
 
 
 def reshape_pattern(with_clip: bool):
@@ -213,6 +227,10 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.subtract", binary_pattern("relax.subtract"), extract_subtract, rules=ELEMENTWISE_RULES),
     PatternEntry(f"{PREFIX}.multiply", binary_pattern("relax.multiply"), extract_multiply, rules=ELEMENTWISE_RULES),
     PatternEntry(f"{PREFIX}.mean", mean_pattern, extract_mean, rules=ELEMENTWISE_RULES, clip_variant=False),
+    PatternEntry(f"{PREFIX}.max_pool2d", qdq_pool_pattern("relax.nn.max_pool2d"), extract_qdq_max_pool2d,
+                 rules=POOL_RULES),
+    PatternEntry(f"{PREFIX}.avg_pool2d", qdq_pool_pattern("relax.nn.avg_pool2d"), extract_qdq_avg_pool2d,
+                 rules=POOL_RULES),
     PatternEntry(f"{PREFIX}.max_pool2d", max_pool_pattern, extract_max_pool2d, rules=POOL_RULES),
     PatternEntry(f"{PREFIX}.avg_pool2d", avg_pool_pattern, extract_avg_pool2d, rules=POOL_RULES),
     PatternEntry(f"{PREFIX}.reshape", reshape_pattern, extract_reshape, rules=(), clip_variant=False),
