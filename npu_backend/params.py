@@ -72,6 +72,7 @@ class NpuOp(str, Enum):
     MULTIPLY = "multiply"
     SOFTMAX = "softmax"
     TRANSPOSE = "transpose"
+    EXP = "exp"
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,7 @@ RECORD_OF_OP = {
     NpuOp.MULTIPLY: ElementwiseParams,
     NpuOp.SOFTMAX: SoftmaxParams,
     NpuOp.TRANSPOSE: TransposeParams,
+    NpuOp.EXP: LutParams,
 }
 
 

@@ -731,3 +731,22 @@ def softmax(x, input_multiplier: int, input_left_shift: int, diff_min: int, outp
         fixedpoint.saturating_rounding_doubling_high_mul_array(reciprocal[:, None], exps),
         (num_bits_over_unit + 31 - 8)[:, None])
     return np.clip(np.where(included, probability, 0) + int(output_zero_point), -128, 127).astype(np.int8)
+
+
+def lut_populate(function, input_scale, input_zero_point, output_scale, output_zero_point) -> np.ndarray:
+    """int8 table of TFLite's ``LUTPopulateInt8`` (kernels/internal/common.h), used by its int8 EXP (and ELU, GELU).
+
+    In float32: ``dequantized = s_in * (q - z_in)``, ``transformed = f(dequantized)``,
+    ``round(transformed * (1 / s_out))`` half away from zero (``std::round``), plus
+    ``z_out``, saturated. ``function`` is evaluated in float64 and rounded to
+    float32, i.e. the correctly rounded float function, as glibc's ``expf`` is.
+    """
+    s_in, s_out = np.float32(input_scale), np.float32(output_scale)
+    if not (np.isfinite(s_in) and np.isfinite(s_out) and s_in > 0 and s_out > 0):
+        raise NumericsError("table scales must be positive and finite")
+    dequantized = s_in * (np.arange(-128, 128) - int(input_zero_point)).astype(np.float32)
+    with np.errstate(over="ignore"):
+        transformed = np.asarray(function(dequantized.astype(np.float64)), dtype=np.float64).astype(np.float32)
+        scaled = (transformed * (np.float32(1.0) / s_out)).astype(np.float64)
+    rounded = np.where(np.isfinite(scaled), np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), np.sign(scaled) * 256)
+    return np.clip(rounded + int(output_zero_point), -128, 127).astype(np.int8)

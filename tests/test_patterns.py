@@ -37,7 +37,7 @@ def test_registry_order_puts_fused_activation_first():
                "npu.multiply", *pools]
     n = len(clipped)
     assert names == clipped + clipped[:6] + ["npu.mean"] + clipped[6:] + [
-        "npu.reshape", "npu.sigmoid", "npu.tanh", "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
+        "npu.reshape", "npu.sigmoid", "npu.tanh", "npu.exp", "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
         "npu.softmax", "npu.transpose", "npu.pad"] + ["npu.concat"] * 5
     root_op = lambda e: str(e.pattern).split('name="', 1)[1].split('"', 1)[0]  # noqa: E731
     assert {root_op(e) for e in entries[:n]} == {"relax.clip"}

@@ -322,6 +322,7 @@ LOWERINGS = {
     NpuOp.MULTIPLY: emit_elementwise,
     NpuOp.SOFTMAX: emit_softmax,
     NpuOp.TRANSPOSE: emit_transpose,
+    NpuOp.EXP: emit_lut,
     NpuOp.MEAN: emit_mean,
     NpuOp.MAX_POOL2D: emit_pool,
     NpuOp.AVG_POOL2D: emit_pool,

@@ -143,6 +143,8 @@ def lut_table(p: LutParams) -> np.ndarray:
         return numerics.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op == NpuOp.HARD_SWISH:
         return numerics.hard_swish_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+    if p.op == NpuOp.EXP:
+        return numerics.lut_populate(np.exp, p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op == NpuOp.LEAKY_RELU:
         return numerics.leaky_relu_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point,
                                          p.alpha)

@@ -320,6 +320,10 @@ def extract_sigmoid(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return _activation(annotations, NpuOp.SIGMOID)
 
 
+def extract_exp(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    return _activation(annotations, NpuOp.EXP)
+
+
 def extract_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return _activation(annotations, NpuOp.TANH)
 

@@ -24,6 +24,7 @@ from ..params import OPERAND_ROLES, NpuParams
 from ..reference import Reference, follow_reference
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
 from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
+                      extract_exp,
                       extract_fully_connected, extract_hard_swish, extract_leaky_relu, extract_max_pool2d,
                       extract_mean, extract_multiply, extract_pad, extract_qdq_avg_pool2d,
                       extract_qdq_max_pool2d, extract_requantize, extract_reshape,
@@ -237,6 +238,8 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.sigmoid", activation_pattern("relax.sigmoid"), extract_sigmoid, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.tanh", activation_pattern("relax.tanh"), extract_tanh, rules=ELEMENTWISE_RULES,
+                 clip_variant=False),
+    PatternEntry(f"{PREFIX}.exp", activation_pattern("relax.exp"), extract_exp, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.hard_swish", hard_swish_pattern, extract_hard_swish, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
