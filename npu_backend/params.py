@@ -15,8 +15,9 @@ fields they have (one name per fact across all records), plus
 (pooling, reshape) carry none, since they cannot change them. Every composite
 also carries ``npu.source_vars``, the bindings of the input graph it absorbed,
 and ``npu.operands``: the indices of its parameters in operand order (input,
-second input; concat inputs in order), since a composite's parameters come in
-order of first use in its body, which says nothing about their roles.
+second input; concat inputs in order; -1 for a constant operand, whose values
+the record holds), since a composite's parameters come in order of first use
+in its body, which says nothing about their roles.
 
 =========================  ===========================================================
 ``npu.op``                 operator kind (the :class:`NpuOp` member name, e.g. ``CONV2D``)
@@ -118,6 +119,9 @@ class ElementwiseParams:
     output_zero_point: int
     clamp: tuple[int, int]
     rounding: Rounding = Rounding.TFLITE_DOUBLE
+    input2_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8), compare=False, repr=False)
+    """The second operand when it is a constant (e.g. ONNX MatMul's bias, added as its own quantized Add),
+    broadcast to ``shape``; empty when the graph computes it."""
 
 
 @dataclass(frozen=True)

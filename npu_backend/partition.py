@@ -5,6 +5,7 @@ from __future__ import annotations
 import tvm
 import tvm_ffi
 from tvm import relax
+from tvm.ir.expr import Constant
 
 from simulator.config import DEFAULT_PRESET, get_config
 
@@ -62,13 +63,13 @@ def _composite_sources(original: relax.Function, fused: tvm.IRModule) -> dict:
 
 
 def _operand_order(func: relax.Function, annotations: dict) -> list[int]:
-    """Indices of the composite's parameters in operand order (input, input2, ...)."""
+    """Indices of the composite's parameters in operand order (input, input2, ...); -1 for a constant."""
     index = {param: i for i, param in enumerate(func.params)}
     operands = [annotations[role] for role in OPERAND_ROLES if role in annotations]
-    missing = [op for op in operands if op not in index]
-    if missing or len(operands) != len(func.params):
+    variables = [op for op in operands if not isinstance(op, Constant)]
+    if any(op not in index for op in variables) or len(variables) != len(func.params):
         raise RuntimeError(f"internal error: operands of {func.attrs['Composite']} are not its parameters")
-    return [index[op] for op in operands]
+    return [-1 if isinstance(op, Constant) else index[op] for op in operands]
 
 
 def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference: Reference) -> tvm.IRModule:

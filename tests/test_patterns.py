@@ -458,3 +458,45 @@ def test_something_else_shaped_like_hard_swish_stays_on_host():
     assert composites(mod) == []
     div = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.divide")
     assert "not x * relu6(x + 3) / 6" in div.reason
+
+
+def _add_constant_module(constant, first=False):
+    from relax_idioms import f32, i32
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 10), "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dx = bb.emit(relax.op.dequantize(x, f32(0.06), i32(11), axis=0))
+            dc = bb.emit(relax.op.dequantize(relax.const(constant), f32(0.005), i32(-24), axis=0))
+            s = bb.emit(relax.op.add(dc, dx) if first else relax.op.add(dx, dc))
+            gv = bb.emit_output(relax.op.quantize(s, f32(0.058), i32(2), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_add_of_a_constant_carries_it_broadcast_and_runs_exactly():
+    """ONNX MatMul's bias is a quantized Add of an int8 constant: broadcast into the record, streamed as a
+    constant buffer, and the result equals TFLite's ADD of the broadcast tensors."""
+    import reference_kernels as ref
+
+    bias = np.arange(-50, 50, 10, dtype=np.int8)
+    mod = npu_backend.partition_for_npu(_add_constant_module(bias))
+    (name, p), = composites(mod)
+    assert name == "npu.add" and p.shape == (1, 10)
+    np.testing.assert_array_equal(p.input2_values, bias.reshape(1, 10))
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    x = np.random.default_rng(2).integers(-128, 128, (1, 10), dtype=np.int8)
+    f = lambda s: float(np.float32(s))  # noqa: E731
+    want = ref.add(x.ravel().tolist(), bias.tolist(), f(0.06), 11, f(0.005), -24, f(0.058), 2, (-128, 127))
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy().ravel(), want)
+
+
+@pytest.mark.parametrize("constant, first, reason", [
+    (np.zeros(10, np.int8), True, "an operand is a constant"),
+    (np.zeros((2, 10), np.int8), False, "constant [2, 10] does not broadcast to [1, 10]")])
+def test_constant_operands_the_npu_cannot_take_stay_on_host(constant, first, reason):
+    mod = npu_backend.partition_for_npu(_add_constant_module(constant, first))
+    assert composites(mod) == []
+    add = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.add")
+    assert reason in add.reason

@@ -115,9 +115,14 @@ def emit_elementwise(sb: StreamBuilder, p: ElementwiseParams, layer: str, source
     """Binary elementwise operator over flat chunks of both inputs.
 
     TFLite roundings carry fixed-point multipliers; ``Rounding.ONNXRUNTIME``
-    carries the three float32 scales instead (and zeros for the rest).
+    carries the three float32 scales instead (and zeros for the rest). A
+    constant second operand (``None`` among the sources) joins the stream as a
+    constant buffer.
     """
     src, src2 = sources
+    if src2 is None:
+        src2 = sb.add_buffer(f"{layer}.input2", BufferKind.CONSTANT, p.shape,
+                             data=np.ascontiguousarray(p.input2_values, dtype=np.int8).tobytes())
     plan = plan_elementwise(p, sb.config)
     m1, s1, m2, s2, mo, so = elementwise_multipliers(p)
     onnxruntime = p.rounding == Rounding.ONNXRUNTIME
@@ -377,8 +382,8 @@ def lower_region(func: relax.Function, symbol: str) -> CommandStream:
             layer_index += 1
             if binding.var not in values:
                 values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, _shape_of(binding.var))
-            operands = [value.args[int(i)] for i in callee.attrs[OPERANDS_ATTR]]
-            LOWERINGS[params.op](sb, params, layer, [values[arg] for arg in operands], values[binding.var])
+            sources = [values[value.args[int(i)]] if int(i) >= 0 else None for i in callee.attrs[OPERANDS_ATTR]]
+            LOWERINGS[params.op](sb, params, layer, sources, values[binding.var])
     return CommandStream(name=symbol, config=config.name, buffers=tuple(sb.buffers),
                          commands=tuple(sb.commands))
 

@@ -227,12 +227,20 @@ def _elementwise(op: NpuOp, verb: str):
     def extract(annotations: Mapping[str, relax.Expr]) -> ElementwiseParams:
         x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
         x2, in2_scale, in2_zp = _dequantized_int8(annotations, "input2", "input2_dq", "second input")
+        if isinstance(x, Constant):
+            raise UnsupportedOpError(f"the first operand of {verb} is a constant")
         shape, shape2 = _shape(x), _shape(x2)
-        if shape != shape2:
+        values = np.zeros(0, np.int8)
+        if isinstance(x2, Constant):
+            try:
+                values = np.ascontiguousarray(np.broadcast_to(x2.value.numpy(), shape))
+            except ValueError:
+                raise UnsupportedOpError(f"constant {list(shape2)} does not broadcast to {list(shape)}") from None
+        elif shape != shape2:
             raise UnsupportedOpError(f"broadcasting {verb} ({list(shape)} and {list(shape2)}) is not supported")
         return ElementwiseParams(op=op, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
                                  input2_scale=in2_scale, input2_zero_point=in2_zp, output_scale=out_scale,
-                                 output_zero_point=out_zp, clamp=_clamp(annotations))
+                                 output_zero_point=out_zp, clamp=_clamp(annotations), input2_values=values)
 
     extract.__doc__ = f"TFLite int8 {op.name}: {verb} of two same-shaped tensors."
     return extract

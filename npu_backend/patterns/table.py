@@ -218,15 +218,20 @@ class PatternEntry:
     extract: Callable[[Mapping], NpuParams]
     rules: tuple = field(default=CONV_RULES)
     clip_variant: bool = True
+    constant_operands: frozenset = frozenset()
+    """Operand roles the extraction accepts as constants (it then carries their values)."""
 
 
 OPERATORS = (
     PatternEntry(f"{PREFIX}.conv2d", conv2d_pattern, extract_conv2d),
     PatternEntry(f"{PREFIX}.depthwise_conv2d", conv2d_pattern, extract_depthwise_conv2d),
     PatternEntry(f"{PREFIX}.fully_connected", matmul_pattern, extract_fully_connected),
-    PatternEntry(f"{PREFIX}.add", binary_pattern("relax.add"), extract_add, rules=ELEMENTWISE_RULES),
-    PatternEntry(f"{PREFIX}.subtract", binary_pattern("relax.subtract"), extract_subtract, rules=ELEMENTWISE_RULES),
-    PatternEntry(f"{PREFIX}.multiply", binary_pattern("relax.multiply"), extract_multiply, rules=ELEMENTWISE_RULES),
+    PatternEntry(f"{PREFIX}.add", binary_pattern("relax.add"), extract_add, rules=ELEMENTWISE_RULES,
+                 constant_operands=frozenset({"input2"})),
+    PatternEntry(f"{PREFIX}.subtract", binary_pattern("relax.subtract"), extract_subtract, rules=ELEMENTWISE_RULES,
+                 constant_operands=frozenset({"input2"})),
+    PatternEntry(f"{PREFIX}.multiply", binary_pattern("relax.multiply"), extract_multiply, rules=ELEMENTWISE_RULES,
+                 constant_operands=frozenset({"input2"})),
     PatternEntry(f"{PREFIX}.mean", mean_pattern, extract_mean, rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.max_pool2d", qdq_pool_pattern("relax.nn.max_pool2d"), extract_qdq_max_pool2d,
                  rules=POOL_RULES),
@@ -293,7 +298,8 @@ def _make_check(entry: PatternEntry):
         reason = None
         if has_leaking_intermediate_variables(context):
             reason = "an intermediate result is also used outside the fused operator"
-        elif any(isinstance(annotations.get(role), Constant) for role in OPERAND_ROLES):
+        elif any(isinstance(annotations.get(role), Constant) for role in OPERAND_ROLES
+                 if role not in entry.constant_operands):
             reason = "an operand is a constant; the NPU reads operands from tensors the graph computes"
         else:
             try:
