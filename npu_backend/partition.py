@@ -144,7 +144,7 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET, reference
         Hardware preset whose limits the pattern checks apply (see ``simulator.PRESETS``).
     reference : str
         Whose integer results to reproduce: ``"tflite"`` (fixed-point requantization, round half
-        away from zero), ``"onnxruntime"`` (exact value, round half to even), or ``"auto"``: the
+        away from zero), ``"onnxruntime"`` (its float32 QDQ execution, round half to even), or ``"auto"``: the
         source the loader recorded on the module, TFLite when there is none (see
         :mod:`npu_backend.reference`).
 

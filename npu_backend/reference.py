@@ -2,10 +2,13 @@
 
 A quantized graph does not say how its requantizations round; its source
 does. TFLite's reference kernels use fixed-point multipliers and round half
-away from zero. onnxruntime runs an ONNX QDQ graph literally in float and its
-QuantizeLinear rounds half to even, which on these graphs equals the exact real
-result rounded half to even (measured on every ONNX fixture: all outputs but
-average-pooling ties, where float32 summation noise decides).
+away from zero. onnxruntime runs an ONNX QDQ graph literally in float32 and its
+QuantizeLinear divides by the scale and rounds half to even; where the exact
+value is a tie (common when scales are related by powers of two), float32
+rounding in its kernels decides, so ``Rounding.ONNXRUNTIME`` follows MLAS's
+float32 operation order for elementwise, pooling and mean units and its float
+functions for tables, and uses the exact accumulator times the double scale for
+convolutions (see :mod:`simulator.numerics`).
 
 The choice is recorded by the loaders (:func:`npu_backend.load_tflite` marks a
 module ``tflite``, :func:`npu_backend.load_onnx` marks it ``onnx``) and read by
@@ -33,7 +36,7 @@ class Reference(str, Enum):
     TFLITE = "tflite"
     """TFLite's reference kernels (LiteRT BUILTIN_REF): fixed point, round half away from zero."""
     ONNXRUNTIME = "onnxruntime"
-    """onnxruntime's CPU execution of QDQ graphs: exact result, round half to even."""
+    """onnxruntime's CPU execution of QDQ graphs (float32 kernels, quantization rounding half to even)."""
 
 
 REFERENCE_OF_SOURCE = {"tflite": Reference.TFLITE, "onnx": Reference.ONNXRUNTIME}
@@ -58,8 +61,8 @@ def resolve_reference(mod: tvm.IRModule, requested: str = "auto") -> Reference:
 def follow_reference(params, reference: Reference):
     """The extracted record with the rounding of ``reference`` (extraction assumes TFLite's).
 
-    onnxruntime rounds every requantization half to even on the exact value;
-    records without a ``rounding`` field (pure data movement) are unchanged.
+    Every record with a ``rounding`` field takes ``Rounding.ONNXRUNTIME``;
+    records without one (pure data movement) are unchanged.
     """
     if reference == Reference.TFLITE or not any(f.name == "rounding" for f in dataclasses.fields(params)):
         return params

@@ -1,5 +1,6 @@
 """The npu command: the main job works, and bad input ends as one line with exit status 2."""
 
+import json
 import subprocess
 import sys
 
@@ -86,3 +87,27 @@ def test_model_the_importer_rejects_is_one_line(entry, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     (op,) = entry["operators"]
     assert len(err) == 1 and "TVM's TFLite importer rejected" in err[0] and op in err[0]
+
+
+def test_onnx_model_partition_and_run_from_the_command_line(capsys):
+    """An ONNX QDQ model goes through the same commands; only its float boundary stays on the host."""
+    model = str(FIXTURES / "onnx" / "residual.onnx")
+    assert main(["partition", model, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [o["op"] for o in report["ops"] if o["target"] == "host"] == ["relax.quantize", "relax.dequantize"]
+    assert main(["run", model, "--no-reference"]) == 0
+    out = capsys.readouterr().out
+    assert "NPU: 18 of 20 Relax operators in 1 regions (npu.add, npu.conv2d, npu.transpose)" in out
+
+
+def test_unknown_reference_and_model_type_are_one_line_errors(tmp_path, capsys):
+    model = tmp_path / "model.pb"
+    model.write_bytes(b"not a model")
+    assert main(["partition", str(model)]) == 2
+    assert capsys.readouterr().err.strip() == ("npu: error: model.pb: unknown model type '.pb' "
+                                               "(known: .tflite, .onnx)")
+    broken = tmp_path / "broken.onnx"
+    broken.write_bytes(b"\x08\x07garbage")
+    assert main(["partition", str(broken)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("npu: error: ")
