@@ -51,3 +51,29 @@ def test_outputs_equal_onnxruntime(compiled):
         assert prof.runs and prof.total_cycles > 0, "nothing ran on the NPU"
         mismatched = int(np.count_nonzero(got != expected))
         assert mismatched == 0, f"{mismatched} of {got.size} elements differ from onnxruntime"
+
+
+def _initializers(name):
+    from onnx import load, numpy_helper
+
+    return {t.name: numpy_helper.to_array(t) for t in load(ONNX / f"{name}.onnx").graph.initializer}
+
+
+@pytest.mark.parametrize("name, per_channel", [("conv_relu_per_channel_asymmetric", True),
+                                               ("conv_relu_per_tensor_symmetric", False)])
+def test_conv_composite_carries_the_models_own_qparams(name, per_channel):
+    """Every qparam of the ONNX Conv, read from its initializers, lands on the composite unchanged; the
+    weights arrive in the NPU's [OC, KH, KW, IC] layout; Relu is the clamp [z_out, 127]."""
+    init = _initializers(name)
+    mod = npu_backend.partition_for_npu(npu_backend.load_onnx(ONNX / f"{name}.onnx"))
+    (p,) = [p for composite, p in composites(mod) if composite == "npu.conv2d"]
+    assert p.input_scale == init["input_scale"] and p.input_zero_point == int(init["input_zero_point"])
+    np.testing.assert_array_equal(p.weights, np.transpose(init["weight0_quantized"], (0, 2, 3, 1)))
+    np.testing.assert_array_equal(p.weight_scales, np.broadcast_to(init["weight0_scale"], (16,)))
+    np.testing.assert_array_equal(p.bias, init["bias1_quantized"])
+    assert p.per_channel == per_channel and p.rounding.name == "ONNXRUNTIME"
+    golden = np.load(ONNX / f"{name}.npz")  # the conv's output qparams are the model output's
+    z_out = int(golden["output_zero_point"])
+    assert p.output_scale == golden["output_scale"] and p.output_zero_point == z_out
+    assert p.clamp == (max(-128, z_out), 127)
+    assert (p.kernel, p.strides, p.padding) == ((3, 3), (1, 1), (1, 1, 1, 1))
