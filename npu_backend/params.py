@@ -74,6 +74,9 @@ class NpuOp(str, Enum):
     SOFTMAX = "softmax"
     TRANSPOSE = "transpose"
     EXP = "exp"
+    STRIDED_SLICE = "strided_slice"
+    GELU = "gelu"
+    GELU_TANH = "gelu_tanh"
 
 
 @dataclass(frozen=True)
@@ -243,6 +246,20 @@ class TransposeParams:
         return math.prod(self.ifm_shape[1:k + 1]), math.prod(self.ifm_shape[k + 1:])
 
 
+@dataclass(frozen=True)
+class SliceParams:
+    """A strided slice of a batch-1 NHWC int8 tensor (TFLite STRIDED_SLICE): a strided gather by DMA,
+    qparams unchanged."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    ofm_shape: tuple[int, ...]
+    begin: tuple[int, ...]
+    """First element taken along each of the four axes (non-negative)."""
+    strides: tuple[int, ...]
+    """Step along each axis (positive)."""
+
+
 OPERANDS_ATTR = "npu.operands"
 """Composite attribute: parameter indices in operand order (see the module docstring)."""
 
@@ -252,7 +269,7 @@ addend of a binary op and the third input of a concat; no pattern has both)."""
 
 
 NpuParams = (ConvParams | ElementwiseParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
-             | PadParams | SoftmaxParams | TransposeParams)
+             | PadParams | SoftmaxParams | TransposeParams | SliceParams)
 
 RECORD_OF_OP = {
     NpuOp.CONV2D: ConvParams,
@@ -275,6 +292,9 @@ RECORD_OF_OP = {
     NpuOp.SOFTMAX: SoftmaxParams,
     NpuOp.TRANSPOSE: TransposeParams,
     NpuOp.EXP: LutParams,
+    NpuOp.STRIDED_SLICE: SliceParams,
+    NpuOp.GELU: LutParams,
+    NpuOp.GELU_TANH: LutParams,
 }
 
 

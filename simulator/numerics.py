@@ -750,3 +750,24 @@ def lut_populate(function, input_scale, input_zero_point, output_scale, output_z
         scaled = (transformed * (np.float32(1.0) / s_out)).astype(np.float64)
     rounded = np.where(np.isfinite(scaled), np.sign(scaled) * np.floor(np.abs(scaled) + 0.5), np.sign(scaled) * 256)
     return np.clip(rounded + int(output_zero_point), -128, 127).astype(np.int8)
+
+
+def tflite_gelu(x) -> np.ndarray:
+    """TFLite's ``GeluTransform`` in float32: ``0.5f * x * erfc(x * float(-sqrt(1/2)))``.
+
+    Older TFLite wrote ``0.5f * x * (1 + erf(x * M_SQRT1_2))`` in double; both give
+    the same table on every entry of the fixture tests/fixtures/tflite/gelu.npz.
+    """
+    x32 = np.asarray(x, dtype=np.float32)
+    scaled = x32 * np.float32(-math.sqrt(0.5))
+    complement = np.array([math.erfc(float(v)) for v in scaled.ravel()], dtype=np.float32).reshape(scaled.shape)
+    return (np.float32(0.5) * x32 * complement).astype(np.float64)
+
+
+def tflite_gelu_tanh(x) -> np.ndarray:
+    """TFLite's ``GeluTransformApproximate``, all float32:
+    ``0.5f * x * (1 + tanh(float(sqrt(2/pi)) * (x + 0.044715f * x * x * x)))``."""
+    x32 = np.asarray(x, dtype=np.float32)
+    inner = x32 + np.float32(0.044715) * x32 * x32 * x32
+    t = np.tanh((np.float32(math.sqrt(2.0 / math.pi)) * inner).astype(np.float64)).astype(np.float32)
+    return (np.float32(0.5) * x32 * (np.float32(1.0) + t)).astype(np.float64)

@@ -37,8 +37,9 @@ def test_registry_order_puts_fused_activation_first():
                "npu.multiply", *pools]
     n = len(clipped)
     assert names == clipped + clipped[:6] + ["npu.mean"] + clipped[6:] + [
-        "npu.reshape", "npu.sigmoid", "npu.tanh", "npu.exp", "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
-        "npu.softmax", "npu.transpose", "npu.pad"] + ["npu.concat"] * 5
+        "npu.reshape", "npu.sigmoid", "npu.tanh", "npu.exp", "npu.gelu", "npu.gelu_tanh",
+        "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
+        "npu.softmax", "npu.transpose", "npu.strided_slice", "npu.pad"] + ["npu.concat"] * 5
     root_op = lambda e: str(e.pattern).split('name="', 1)[1].split('"', 1)[0]  # noqa: E731
     assert {root_op(e) for e in entries[:n]} == {"relax.clip"}
     assert "relax.clip" not in {root_op(e) for e in entries[n:]}
@@ -500,3 +501,61 @@ def test_constant_operands_the_npu_cannot_take_stay_on_host(constant, first, rea
     assert composites(mod) == []
     add = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.add")
     assert reason in add.reason
+
+
+def _strided_slice_module(dtype="int8", strides=(2, 1)):
+    """x[:, 1:7:2, :, 2:10] as Relax writes it (the fixture strided_slice.tflite, which TVM's importer refuses)."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 16), dtype))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            gv = bb.emit_output(relax.op.strided_slice(x, axes=[1, 3], begin=[1, 2], end=[7, 10], strides=strides))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_strided_slice_is_a_dma_gather_equal_to_tflite():
+    """Same slice as the STRIDED_SLICE fixture: the NPU's output equals BUILTIN_REF's on all 8 stored inputs."""
+    from conftest import FIXTURES
+
+    mod = npu_backend.partition_for_npu(_strided_slice_module())
+    (name, p), = composites(mod)
+    assert name == "npu.strided_slice" and p.begin == (0, 1, 0, 2) and p.strides == (1, 2, 1, 1)
+    assert p.ofm_shape == (1, 3, 8, 8)
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    golden = np.load(FIXTURES / "tflite" / "strided_slice.npz")
+    assert golden["input_scale"] == golden["output_scale"]  # qparam-transparent in TFLite too
+    for x, want in zip(golden["inputs"], golden["outputs"]):
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), want)
+
+
+def test_strided_slice_with_channel_stride_runs_exactly():
+    mod = npu_backend.partition_for_npu(_strided_slice_module(strides=(3, 3)))
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    x = np.random.default_rng(4).integers(-128, 128, (1, 8, 8, 16), dtype=np.int8)
+    np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), x[:, 1:7:3, :, 2:10:3])
+
+
+def test_float_strided_slice_stays_on_host():
+    mod = npu_backend.partition_for_npu(_strided_slice_module(dtype="float32"))
+    (op,) = npu_backend.partition_report(mod).host_ops
+    assert op.reason == "npu.strided_slice: strided slice of float32 data is not an int8 tensor move"
+
+
+@pytest.mark.parametrize("fixture, op", [("gelu", relax.op.nn.gelu), ("gelu_approximate", relax.op.nn.gelu_tanh)])
+def test_gelu_table_equals_tflite(fixture, op):
+    """TVM's TFLite importer refuses quantized GELU, so the idiom is built by hand with the fixture's qparams;
+    the NPU's table reproduces BUILTIN_REF on every stored element (the inputs cover all 256 values)."""
+    from conftest import FIXTURES
+    from relax_idioms import activation_module
+
+    golden = np.load(FIXTURES / "tflite" / f"{fixture}.npz")
+    q_in = (float(golden["input_scale"]), int(golden["input_zero_point"]))
+    q_out = (float(golden["output_scale"]), int(golden["output_zero_point"]))
+    mod = npu_backend.partition_for_npu(activation_module(op, shape=(1, 8, 8, 16), q_in=q_in, q_out=q_out))
+    (name, p), = composites(mod)
+    assert name == f"npu.{op.__name__}" and (p.input_scale, p.output_scale) == (q_in[0], q_out[0])
+    assert len(np.unique(golden["inputs"])) == 256
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    for x, want in zip(golden["inputs"], golden["outputs"]):
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), want)

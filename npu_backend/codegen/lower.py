@@ -19,11 +19,11 @@ from simulator.numerics import ADD_LEFT_SHIFT, Rounding
 
 from ..errors import UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams, SoftmaxParams, TransposeParams, OPERANDS_ATTR, from_attrs)
+                      ReshapeParams, SliceParams, SoftmaxParams, TransposeParams, OPERANDS_ATTR, from_attrs)
 from .multipliers import (conv_multipliers, elementwise_multipliers, lut_table, mean_multiplier, pool_qparams,
                           softmax_multiplier)
 from .plan import (LayerGeometry, TilePlan, plan_elementwise, plan_softmax, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean,
-                   plan_pad, plan_transpose)
+                   plan_pad, plan_slice, plan_transpose)
 
 CONFIG_ATTR = "npu.preset"
 
@@ -318,6 +318,30 @@ def emit_transpose(sb: StreamBuilder, p: TransposeParams, layer: str, sources: l
             sb.dma(layer, dst, c0 * rows, 0, count * rows, to_sram=False)
 
 
+def emit_strided_slice(sb: StreamBuilder, p: SliceParams, layer: str, sources: list[int], dst: int) -> None:
+    """Gather output rows into SRAM with strided DMA (one transfer per row, or per pixel when channels
+    are strided too), then store each stripe contiguously."""
+    (src,) = sources
+    _, height, width, channels = p.ifm_shape
+    _, out_h, out_w, out_c = p.ofm_shape
+    _, b_h, b_w, b_c = p.begin
+    _, s_h, s_w, s_c = p.strides
+    stripe = plan_slice(p, sb.config)
+    out_row = out_w * out_c
+    for r0 in range(0, out_h, stripe):
+        count = min(stripe, out_h - r0)
+        for r in range(r0, r0 + count):
+            first = ((b_h + r * s_h) * width + b_w) * channels + b_c
+            if s_c == 1:
+                sb.dma(layer, src, first, (r - r0) * out_row, out_c, rows=out_w, dram_stride=s_w * channels,
+                       sram_stride=out_c)
+            else:
+                for w in range(out_w):
+                    sb.dma(layer, src, first + w * s_w * channels, (r - r0) * out_row + w * out_c, 1, rows=out_c,
+                           dram_stride=s_c, sram_stride=1)
+        sb.dma(layer, dst, r0 * out_row, 0, count * out_row, to_sram=False)
+
+
 LOWERINGS = {
     NpuOp.CONV2D: emit_conv,
     NpuOp.DEPTHWISE_CONV2D: emit_conv,
@@ -328,6 +352,9 @@ LOWERINGS = {
     NpuOp.SOFTMAX: emit_softmax,
     NpuOp.TRANSPOSE: emit_transpose,
     NpuOp.EXP: emit_lut,
+    NpuOp.GELU: emit_lut,
+    NpuOp.GELU_TANH: emit_lut,
+    NpuOp.STRIDED_SLICE: emit_strided_slice,
     NpuOp.MEAN: emit_mean,
     NpuOp.MAX_POOL2D: emit_pool,
     NpuOp.AVG_POOL2D: emit_pool,

@@ -18,7 +18,7 @@ from simulator import mlas, numerics
 
 from ..errors import QParamError, UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                      PoolParams, ReshapeParams, SoftmaxParams, TransposeParams)
+                      PoolParams, ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
 
 
 def conv_multipliers(p: ConvParams):
@@ -135,6 +135,10 @@ def ort_lut_table(p: LutParams) -> np.ndarray:
     return numerics.qdq_table(function, *args)
 
 
+LUT_POPULATE_FUNCTIONS = {NpuOp.EXP: np.exp, NpuOp.GELU: numerics.tflite_gelu, NpuOp.GELU_TANH: numerics.tflite_gelu_tanh}
+"""Operators whose TFLite int8 kernel is a ``LUTPopulate`` table of a float function."""
+
+
 def lut_table(p: LutParams) -> np.ndarray:
     """The 256-entry table; TFLite's int8 activations only exist for their fixed output qparams."""
     if p.rounding == numerics.Rounding.ONNXRUNTIME:
@@ -143,8 +147,9 @@ def lut_table(p: LutParams) -> np.ndarray:
         return numerics.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op == NpuOp.HARD_SWISH:
         return numerics.hard_swish_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
-    if p.op == NpuOp.EXP:
-        return numerics.lut_populate(np.exp, p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+    if p.op in LUT_POPULATE_FUNCTIONS:
+        return numerics.lut_populate(LUT_POPULATE_FUNCTIONS[p.op], p.input_scale, p.input_zero_point,
+                                     p.output_scale, p.output_zero_point)
     if p.op == NpuOp.LEAKY_RELU:
         return numerics.leaky_relu_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point,
                                          p.alpha)
@@ -158,7 +163,8 @@ def lut_table(p: LutParams) -> np.ndarray:
 DERIVE = {ConvParams: conv_multipliers, ElementwiseParams: elementwise_multipliers, MeanParams: mean_multiplier,
           PoolParams: pool_qparams, ReshapeParams: no_multipliers, LutParams: lut_table,
           ConcatParams: no_multipliers, PadParams: no_multipliers,
-          SoftmaxParams: softmax_multiplier, TransposeParams: no_multipliers}
+          SoftmaxParams: softmax_multiplier, TransposeParams: no_multipliers,
+          SliceParams: no_multipliers}
 
 
 def derive_multipliers(p: NpuParams):

@@ -23,7 +23,7 @@ from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
 
 from ..errors import UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                      PoolParams, ReshapeParams, SoftmaxParams, TransposeParams)
+                      PoolParams, ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
 
 SRAM_ALIGN = 16
 
@@ -244,9 +244,19 @@ def plan_transpose(p: TransposeParams, config: NpuConfig) -> int:
     return min(min(rows, columns), config.sram_bytes // line)
 
 
+def plan_slice(p: SliceParams, config: NpuConfig) -> int:
+    """Output rows gathered into SRAM per store."""
+    _, _, width, channels = p.ofm_shape
+    rows = config.sram_bytes // (width * channels)
+    if rows < 1:
+        raise UnsupportedOpError(f"a {width * channels}-byte output row does not fit the {config.sram_bytes}-byte SRAM")
+    return min(rows, p.ofm_shape[1])
+
+
 PLANNERS = {ConvParams: plan_layer, ElementwiseParams: plan_elementwise, MeanParams: plan_mean, PoolParams: plan_layer,
             ReshapeParams: plan_copy, LutParams: plan_lut, ConcatParams: plan_concat,
-            PadParams: plan_pad, SoftmaxParams: plan_softmax, TransposeParams: plan_transpose}
+            PadParams: plan_pad, SoftmaxParams: plan_softmax, TransposeParams: plan_transpose,
+            SliceParams: plan_slice}
 
 
 def plan(p: NpuParams, config: NpuConfig):

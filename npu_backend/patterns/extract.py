@@ -25,7 +25,7 @@ from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams, SoftmaxParams, TransposeParams)
+                      ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -332,6 +332,14 @@ def extract_exp(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return _activation(annotations, NpuOp.EXP)
 
 
+def extract_gelu(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    return _activation(annotations, NpuOp.GELU)
+
+
+def extract_gelu_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    return _activation(annotations, NpuOp.GELU_TANH)
+
+
 def extract_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return _activation(annotations, NpuOp.TANH)
 
@@ -429,3 +437,28 @@ def extract_transpose(annotations: Mapping[str, relax.Expr]) -> TransposeParams:
         raise UnsupportedOpError(f"transpose {list(axes)} of {list(shape)} is not a rotation of a batch-1 "
                                  "tensor's axes (a 2-D transpose)")
     return TransposeParams(op=NpuOp.TRANSPOSE, ifm_shape=shape, axes=axes)
+
+
+def extract_strided_slice(annotations: Mapping[str, relax.Expr]) -> SliceParams:
+    """A forward strided slice of a batch-1 NHWC int8 tensor."""
+    x, call = annotations["input"], annotations["anchor"]
+    if _dtype(x) != "int8":
+        raise UnsupportedOpError(f"strided slice of {_dtype(x)} data is not an int8 tensor move")
+    shape, out_shape = _shape(x), _shape(call)
+    if len(shape) != 4 or shape[0] != 1:
+        raise UnsupportedOpError(f"strided slice of {list(shape)} is not of a batch-1 NHWC tensor")
+    try:
+        axes, begins, _, steps = ([int(v.value) for v in arg.fields] for arg in call.args[1:5])
+    except (AttributeError, TypeError, IndexError):
+        raise UnsupportedOpError("strided slice bounds must be constants") from None
+    begin, strides = [0, 0, 0, 0], [1, 1, 1, 1]
+    for axis, start, step in zip(axes, begins, steps):
+        axis %= 4
+        if step <= 0:
+            raise UnsupportedOpError(f"strided slice step {step} is not positive")
+        begin[axis] = min(max(start + shape[axis] if start < 0 else start, 0), shape[axis])
+        strides[axis] = step
+    if out_shape[0] != 1 or any(b + (n - 1) * s >= d for b, n, s, d in zip(begin, out_shape, strides, shape)):
+        raise UnsupportedOpError("strided slice reads outside its input")
+    return SliceParams(op=NpuOp.STRIDED_SLICE, ifm_shape=shape, ofm_shape=out_shape, begin=tuple(begin),
+                       strides=tuple(strides))

@@ -24,11 +24,11 @@ from ..params import OPERAND_ROLES, NpuParams
 from ..reference import Reference, follow_reference
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
 from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
-                      extract_exp,
+                      extract_exp, extract_gelu, extract_gelu_tanh,
                       extract_fully_connected, extract_hard_swish, extract_leaky_relu, extract_max_pool2d,
                       extract_mean, extract_multiply, extract_pad, extract_qdq_avg_pool2d,
                       extract_qdq_max_pool2d, extract_requantize, extract_reshape,
-                      extract_sigmoid, extract_softmax, extract_subtract, extract_tanh,
+                      extract_sigmoid, extract_softmax, extract_strided_slice, extract_subtract, extract_tanh,
                       extract_transpose)
 
 PREFIX = "npu"
@@ -183,6 +183,13 @@ def transpose_pattern(with_clip: bool):
     return permute, dict(input=x, anchor=permute)
 
 
+def strided_slice_pattern(with_clip: bool):
+    """strided_slice of int8 data (qparam-transparent; TFLite STRIDED_SLICE)."""
+    x = wildcard()
+    sliced = is_op("relax.strided_slice")(x, wildcard(), wildcard(), wildcard(), wildcard())
+    return sliced, dict(input=x, anchor=sliced)
+
+
 def pad_pattern(with_clip: bool):
     """Constant padding of int8 data (TFLite PAD, the pad value being the zero point)."""
     x = wildcard()
@@ -246,6 +253,10 @@ OPERATORS = (
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.exp", activation_pattern("relax.exp"), extract_exp, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
+    PatternEntry(f"{PREFIX}.gelu", activation_pattern("relax.nn.gelu"), extract_gelu, rules=ELEMENTWISE_RULES,
+                 clip_variant=False),
+    PatternEntry(f"{PREFIX}.gelu_tanh", activation_pattern("relax.nn.gelu_tanh"), extract_gelu_tanh,
+                 rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.hard_swish", hard_swish_pattern, extract_hard_swish, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.leaky_relu", activation_pattern("relax.nn.leakyrelu"), extract_leaky_relu,
@@ -255,6 +266,8 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.softmax", activation_pattern("relax.nn.softmax"), extract_softmax,
                  rules=ELEMENTWISE_RULES, clip_variant=False),
     PatternEntry(f"{PREFIX}.transpose", transpose_pattern, extract_transpose, rules=(), clip_variant=False),
+    PatternEntry(f"{PREFIX}.strided_slice", strided_slice_pattern, extract_strided_slice, rules=(tiles_fit_sram,),
+                 clip_variant=False),
     PatternEntry(f"{PREFIX}.pad", pad_pattern, extract_pad, rules=(tiles_fit_sram,), clip_variant=False),
     *(PatternEntry(f"{PREFIX}.concat", concat_pattern(arity), extract_concat, rules=(tiles_fit_sram,),
                    clip_variant=False) for arity in range(2, MAX_CONCAT_INPUTS + 1)),
