@@ -8,8 +8,8 @@ so there is one pattern per operator, whatever produced the graph.
 
 Rewritten idioms:
 
-* integer-domain convolution (the old ``qnn.conv2d -> bias_add -> requantize``):
-  ``conv2d(astype(x, "int32") [- z_in], astype(w, "int32"), out_dtype="int32") [+ bias]``
+* integer-domain convolution or matmul (the old ``qnn.conv2d`` / ``qnn.dense -> bias_add -> requantize``):
+  ``conv2d|matmul(astype(x, "int32") [- z_in], astype(w, "int32"), out_dtype="int32") [+ bias]``
   requantized as ``quantize(dequantize(acc, s_acc, 0), s_out, z_out)``. The input
   scale ``s_in`` comes from :func:`npu_backend.qparams.infer_qparams`; the weight
   scale is recovered as ``s_acc / s_in`` (seed 003: the composite must carry both,
@@ -52,7 +52,8 @@ def _integer_conv_pattern():
     input_zp = is_const()
     centred = is_op("relax.subtract")(widened, input_zp)
     weight = is_const()
-    conv = is_op("relax.nn.conv2d")(centred | widened, is_op("relax.astype")(weight) | weight)
+    data, kernel = centred | widened, is_op("relax.astype")(weight) | weight
+    conv = is_op("relax.nn.conv2d")(data, kernel) | is_op("relax.matmul")(data, kernel)
     bias = is_const()
     biased = is_op("relax.add")(conv, bias)
     acc_scale, acc_zp = is_const(), is_const()
@@ -72,7 +73,7 @@ def _i32(values) -> relax.Expr:
 
 
 def _rewrite_integer_conv(graph: "_GraphFacts"):
-    """The integer-domain convolution (see the module docstring)."""
+    """The integer-domain convolution or matmul (see the module docstring)."""
     root, names = _integer_conv_pattern()
 
     def rewriter(orig, matched):
@@ -83,21 +84,25 @@ def _rewrite_integer_conv(graph: "_GraphFacts"):
         weights = _const_array(get("weight"))
         acc_scale, acc_zp = _const_array(get("acc_scale")), _const_array(get("acc_zp"))
         input_zp = _const_array(get("input_zp")) if get("centred") is not None else np.zeros(1)
-        if (qp is None or weights is None or str(conv.attrs.out_dtype) != "int32"
+        if (qp is None or weights is None or str(conv.ty.dtype) != "int32"
                 or input_zp.size != 1 or int(input_zp.reshape(-1)[0]) != qp.zero_point
                 or np.any(acc_zp != 0) or weights.min() < -128 or weights.max() > 127):
             return orig
         attrs = conv.attrs
-        oc_axis = str(attrs.kernel_layout).index("O")
+        is_matmul = _is_call(conv, "relax.matmul")
+        oc_axis = weights.ndim - 1 if is_matmul else str(attrs.kernel_layout).index("O")  # matmul: [IC, OC]
         weight_scales = (acc_scale.astype(np.float64) / qp.scale).astype(np.float32)
         per_channel = weight_scales.size > 1
         dq_x = relax.op.dequantize(x, _f32(qp.scale), _i32(qp.zero_point), axis=0)
         dq_w = relax.op.dequantize(relax.const(weights.astype(np.int8)), _f32(weight_scales if per_channel else
                                    weight_scales.reshape(-1)[0]), _i32(np.zeros(weight_scales.shape, np.int32)
                                    if per_channel else 0), axis=oc_axis if per_channel else 0)
-        out = relax.op.nn.conv2d(dq_x, dq_w, strides=attrs.strides, padding=attrs.padding,
-                                 dilation=attrs.dilation, groups=attrs.groups, data_layout=attrs.data_layout,
-                                 kernel_layout=attrs.kernel_layout, out_layout=attrs.out_layout)
+        if is_matmul:
+            out = relax.op.matmul(dq_x, dq_w)
+        else:
+            out = relax.op.nn.conv2d(dq_x, dq_w, strides=attrs.strides, padding=attrs.padding,
+                                     dilation=attrs.dilation, groups=attrs.groups, data_layout=attrs.data_layout,
+                                     kernel_layout=attrs.kernel_layout, out_layout=attrs.out_layout)
         if get("biased") is not None:
             bias = _const_array(get("bias")).reshape(-1)
             bias_scale = np.float32(qp.scale) * weight_scales

@@ -228,3 +228,26 @@ def integer_mean_module(shape=(1, 5, 5, 16), q_in=(0.02, -7), q_out=(0.015, 3), 
             gv = bb.emit_output(relax.op.quantize(real, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8"))
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def integer_fc_module(idiom: ConvIdiom):
+    """``idiom`` (op="fc") as the old ``qnn.dense -> bias_add -> requantize``: an int32 matmul of the centred
+    input and the [IC, OC] weights, requantized by dequantize(acc, s_in * s_w) -> quantize."""
+    bb = relax.BlockBuilder()
+    real = relax.Var("real", relax.TensorType(idiom.x_shape, "float32"))
+    with bb.function("main", [real]):
+        with bb.dataflow():
+            x = bb.emit(relax.op.quantize(real, f32(idiom.input_scale), i32(idiom.input_zero_point), axis=0,
+                                          out_dtype="int8"))
+            wide = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), i32(idiom.input_zero_point)))
+            w = relax.op.astype(relax.const(np.ascontiguousarray(idiom.weights.T)), "int32")
+            acc = bb.emit(relax.op.matmul(wide, w, out_dtype="int32"))
+            if idiom.bias:
+                acc = bb.emit(relax.op.add(acc, i32(idiom.bias_values)))
+            acc_scale = np.float32(idiom.input_scale) * idiom.weight_scales
+            real_acc = bb.emit(relax.op.dequantize(acc, f32(acc_scale if idiom.per_channel else acc_scale[0]),
+                                                   i32(0), axis=1))
+            gv = bb.emit_output(relax.op.quantize(real_acc, f32(idiom.output_scale), i32(idiom.output_zero_point),
+                                                  axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()

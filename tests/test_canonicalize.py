@@ -185,3 +185,19 @@ def test_float_relu6_becomes_the_clamp_of_its_quantized_bounds():
         bb.emit_func_output(gv)
     (name, p), = composites(npu_backend.partition_for_npu(bb.get()))
     assert name == "npu.add" and p.clamp == (1, 121)  # z = 1; 6 / 0.05 = 120, + 1
+
+
+@pytest.mark.parametrize("per_channel", [True, False])
+def test_integer_domain_matmul_becomes_the_canonical_fully_connected(per_channel):
+    from relax_idioms import integer_fc_module
+
+    idiom = ConvIdiom(op="fc", x_shape=(1, 24), out_channels=10, per_channel=per_channel, clip=None)
+    mod = npu_backend.partition_for_npu(integer_fc_module(idiom))
+    (name, p), = composites(mod)
+    assert name == "npu.fully_connected" and p.per_channel == per_channel
+    assert (p.input_scale, p.input_zero_point) == (np.float32(idiom.input_scale), idiom.input_zero_point)
+    np.testing.assert_allclose(p.weight_scales, np.broadcast_to(idiom.weight_scales, (10,)), rtol=2**-23)
+    np.testing.assert_array_equal(p.weights, idiom.weights)  # [OC, IC], from the [IC, OC] int32 matmul
+    np.testing.assert_array_equal(p.bias, idiom.bias_values)
+    assert (p.output_scale, p.output_zero_point) == (np.float32(0.05), 5)
+    assert [o.op for o in npu_backend.partition_report(mod).host_ops] == ["relax.quantize"]
