@@ -12,7 +12,9 @@ Attribute schema of ``npu.conv2d``, ``npu.depthwise_conv2d`` and
 fields they have (one name per fact across all records), plus
 ``npu.input2_scale`` / ``npu.input2_zero_point`` for the second operand of
 ``npu.add``, ``npu.subtract`` and ``npu.multiply``, ``npu.beta`` for ``npu.softmax`` and ``npu.shape`` for elementwise shapes; qparam-transparent ops
-(pooling, reshape) carry none, since they cannot change them. Every composite
+(pooling, reshape, pad, transpose, slices) carry ``npu.input_scale`` ... ``npu.output_zero_point``
+where the graph determines them (the dataflow analysis of :mod:`npu_backend.qparams`; equal on both
+sides, since these operators cannot change them) and none where it does not. Every composite
 also carries ``npu.source_vars``, the bindings of the input graph it absorbed,
 and ``npu.operands``: the indices of its parameters in operand order (input,
 second input; concat inputs in order; -1 for a constant operand, whose values
@@ -298,23 +300,22 @@ RECORD_OF_OP = {
 }
 
 
+def to_attrs_value(value):
+    """One field value as an attribute (float32 scales stay exact)."""
+    if isinstance(value, np.ndarray):
+        return tvm.runtime.tensor(np.ascontiguousarray(value))
+    if isinstance(value, Enum):
+        return value.name
+    if isinstance(value, bool):
+        return tvm.tirx.IntImm("bool", value)
+    if isinstance(value, float):
+        return tvm.tirx.FloatImm("float32", float(np.float32(value)))
+    return value
+
+
 def to_attrs(params: NpuParams) -> dict[str, object]:
-    """Encode a record as ``npu.*`` function attributes (float32 scales stay exact)."""
-    attrs: dict[str, object] = {}
-    for f in fields(params):
-        value = getattr(params, f.name)
-        key = f"npu.{f.name}"
-        if isinstance(value, np.ndarray):
-            attrs[key] = tvm.runtime.tensor(np.ascontiguousarray(value))
-        elif isinstance(value, Enum):
-            attrs[key] = value.name
-        elif isinstance(value, bool):
-            attrs[key] = tvm.tirx.IntImm("bool", value)
-        elif isinstance(value, float):
-            attrs[key] = tvm.tirx.FloatImm("float32", float(np.float32(value)))
-        else:
-            attrs[key] = value
-    return attrs
+    """Encode a record as ``npu.*`` function attributes."""
+    return {f"npu.{f.name}": to_attrs_value(getattr(params, f.name)) for f in fields(params)}
 
 
 def _decode(kind, raw):

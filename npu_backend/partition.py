@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import tvm
 import tvm_ffi
 from tvm import relax
@@ -11,7 +13,8 @@ from simulator.config import DEFAULT_PRESET, get_config
 
 from .canonicalize import canonicalize
 from .codegen.lower import CONFIG_ATTR
-from .params import OPERAND_ROLES, OPERANDS_ATTR, to_attrs
+from .params import OPERAND_ROLES, OPERANDS_ATTR, to_attrs, to_attrs_value
+from .qparams import TensorQParams, infer_qparams
 from .patterns import ENTRIES_BY_NAME, PREFIX, PartitionContext, registered_patterns
 from .patterns.table import ACTIVE_CONTEXT, extract_params
 from .reference import Reference, resolve_reference
@@ -72,16 +75,42 @@ def _operand_order(func: relax.Function, annotations: dict) -> list[int]:
     return [-1 if isinstance(op, Constant) else index[op] for op in operands]
 
 
+QPARAM_FIELDS = ("input_scale", "input_zero_point", "output_scale", "output_zero_point")
+
+
+def _transparent_qparams(params, qp: TensorQParams | None) -> tuple:
+    """A qparam-transparent operator's record and extra attributes, with the qparams the dataflow analysis
+    found for its int8 tensor (its input's and output's alike) where the record lacks them."""
+    if qp is None:
+        return params, {}
+    values = dict(zip(QPARAM_FIELDS, (qp.scale, qp.zero_point) * 2))
+    names = {f.name for f in dataclasses.fields(params)}
+    if set(QPARAM_FIELDS) <= names:
+        unknown = getattr(params, "input_scale") == 0.0
+        return (dataclasses.replace(params, **values) if unknown else params), {}
+    if names & set(QPARAM_FIELDS):
+        return params, {}
+    return params, {f"npu.{k}": to_attrs_value(v) for k, v in values.items()}
+
+
 def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference: Reference) -> tvm.IRModule:
-    """Write each composite's extracted qparams, and the bindings it absorbed, onto it as attributes."""
+    """Write each composite's extracted qparams, and the bindings it absorbed, onto it as attributes.
+
+    Qparam-transparent operators (pooling, reshape, pad, transpose, slices) whose
+    graph states no qparams around them get those of their int8 tensor from
+    :func:`npu_backend.qparams.infer_qparams`.
+    """
     sources = _composite_sources(original, mod)
+    tensor_qparams = {var.name: qp for var, qp in infer_qparams(original).items()}
     for gvar, func in list(mod.functions_items()):
         name = str(func.attrs["Composite"]) if func.attrs and "Composite" in func.attrs else ""
         if not name.startswith(PREFIX + "."):
             continue
         entry, annotations = _match_annotations(name, func)
         params = extract_params(entry, annotations, reference)
-        mod[gvar] = func.with_attrs({**to_attrs(params), SOURCE_ATTR: sources.get(gvar, []),
+        absorbed = sources.get(gvar, [])
+        params, extra = _transparent_qparams(params, tensor_qparams.get(absorbed[-1]) if absorbed else None)
+        mod[gvar] = func.with_attrs({**to_attrs(params), **extra, SOURCE_ATTR: absorbed,
                                      OPERANDS_ATTR: _operand_order(func, annotations)})
     return mod
 

@@ -18,7 +18,7 @@ from tvm.ir.expr import Constant
 
 TRANSPARENT_OPS = frozenset({
     "relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.permute_dims", "relax.clip",
-    "relax.nn.max_pool2d", "relax.strided_slice",
+    "relax.nn.max_pool2d", "relax.strided_slice", "relax.nn.pad",
 })
 """Operators whose int8 output has their int8 input's qparams (TFLite requires equal qparams)."""
 
