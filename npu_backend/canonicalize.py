@@ -39,6 +39,7 @@ from tvm.relax.dpl.rewrite import rewrite_call
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .layout import convert_to_nhwc
+from .relax_exprs import is_call
 from .qparams import TensorQParams, infer_qparams, per_tensor_qparams
 
 
@@ -89,7 +90,7 @@ def _rewrite_integer_conv(graph: "_GraphFacts"):
                 or np.any(acc_zp != 0) or weights.min() < -128 or weights.max() > 127):
             return orig
         attrs = conv.attrs
-        is_matmul = _is_call(conv, "relax.matmul")
+        is_matmul = is_call(conv, "relax.matmul")
         oc_axis = weights.ndim - 1 if is_matmul else str(attrs.kernel_layout).index("O")  # matmul: [IC, OC]
         weight_scales = (acc_scale.astype(np.float64) / qp.scale).astype(np.float32)
         per_channel = weight_scales.size > 1
@@ -118,10 +119,6 @@ def _requantized_like(orig: relax.Call, value: relax.Expr) -> relax.Expr:
                              out_dtype=str(orig.attrs.out_dtype))
 
 
-def _is_call(expr, op_name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op_name
-
-
 def _rewrite_unequal_concat(graph: "_GraphFacts"):
     """Concatenation whose inputs have other qparams than its output (see the module docstring)."""
     concat = is_op("relax.concat")(wildcard())
@@ -136,7 +133,7 @@ def _rewrite_unequal_concat(graph: "_GraphFacts"):
         requantized = []
         for field in fields.fields:
             value = graph.value(field)
-            if _is_call(value, "relax.dequantize") and per_tensor_qparams(value) not in (None, out_qp):
+            if is_call(value, "relax.dequantize") and per_tensor_qparams(value) not in (None, out_qp):
                 field = relax.op.dequantize(_requantized_like(orig, field), orig.args[1], orig.args[2], axis=0)
             requantized.append(field)
         if all(new.same_as(old) for new, old in zip(requantized, fields.fields)):
@@ -181,8 +178,8 @@ def _rewrite_constant_layout(graph: "_GraphFacts"):
         dq, values = matched[dequantized], _const_array(matched[raw])
         per_channel = _const_array(dq.args[1]).size > 1
         axis = int(dq.attrs.axis) % max(values.ndim, 1)
-        if _is_call(orig, "relax.permute_dims"):
-            axes = ([int(a) for a in orig.attrs.axes] if orig.attrs.axes is not None
+        if is_call(orig, "relax.permute_dims"):
+            axes = ([int(a) % values.ndim for a in orig.attrs.axes] if orig.attrs.axes is not None
                     else list(reversed(range(values.ndim))))
             folded, new_axis = np.transpose(values, axes), axes.index(axis) if per_channel else 0
         else:
@@ -219,7 +216,7 @@ def _rewrite_float_activation(graph: "_GraphFacts"):
             return orig
         activation = matched[relu] if relu in matched else matched[clip]
         high = 127
-        if _is_call(activation, "relax.clip"):
+        if is_call(activation, "relax.clip"):
             low, top = (float(getattr(a.value, "value", a.value)) for a in activation.args[1:3])
             scaled = float(np.float32(top) / np.float32(qp.scale))
             if low != 0.0 or scaled - np.floor(scaled) == 0.5:
@@ -272,10 +269,10 @@ class _GraphFacts:
         return self.var2val.get(expr, expr)
 
 
-REWRITES = (_rewrite_constant_layout, _rewrite_constant_layout, _rewrite_float_activation,
+REWRITES = (_rewrite_constant_layout, _rewrite_float_activation,
             _rewrite_identity_requantize, _rewrite_integer_conv, _rewrite_unequal_concat, _rewrite_integer_mean)
-"""Each builds (pattern, rewriter) for one idiom; applied in order (the constant fold twice: a bias is
-reshaped, then transposed by the layout conversion)."""
+"""Each builds (pattern, rewriter) for one idiom; applied in order (``rewrite_call`` reaches nested
+matches, e.g. a bias reshaped, then transposed by the layout conversion)."""
 
 
 
@@ -319,9 +316,10 @@ class _DequantizePerUse(PyExprMutator):
     float tensor is also used outside it; a dequantize costs nothing to repeat.
     """
 
-    def __init__(self, shared: dict):
+    def __init__(self, shared: dict, returned: set):
         super().__init__()
         self.shared = shared  # var -> dequantize call
+        self.returned = returned  # shared vars the function also returns: their binding stays
 
     def _own_copies(self, expr):
         if isinstance(expr, relax.Var) and expr in self.shared:
@@ -333,7 +331,7 @@ class _DequantizePerUse(PyExprMutator):
         return self.visit_expr(expr)
 
     def visit_var_binding_(self, binding):
-        if binding.var in self.shared:
+        if binding.var in self.shared and binding.var not in self.returned:
             return  # emitted at each use instead
         value = binding.value
         if isinstance(value, relax.Call):
@@ -349,7 +347,7 @@ class _DequantizePerUse(PyExprMutator):
         self.set_var_remap(binding.var, new_var)
 
 
-def _shared_dequantizes(func: relax.Function) -> dict:
+def _shared_dequantizes(func: relax.Function) -> tuple[dict, set]:
     uses: dict = {}
 
     def count(expr):
@@ -362,14 +360,16 @@ def _shared_dequantizes(func: relax.Function) -> dict:
     bindings = [b for block in func.body.blocks for b in block.bindings]
     for b in bindings:
         count(b.value)
+    before = dict(uses)
     count(func.body.body)
-    return {b.var: b.value for b in bindings
-            if _is_call(b.value, "relax.dequantize") and uses.get(b.var, 0) > 1 and b.var != func.body.body}
+    returned = {var for var, n in uses.items() if n > before.get(var, 0)}
+    shared = {b.var: b.value for b in bindings if is_call(b.value, "relax.dequantize") and uses.get(b.var, 0) > 1}
+    return shared, returned & set(shared)
 
 
 def one_dequantize_per_use(func: relax.Function) -> relax.Function:
-    shared = _shared_dequantizes(func)
-    return func if not shared else _DequantizePerUse(shared).visit_expr(func)
+    shared, returned = _shared_dequantizes(func)
+    return func if not shared else _DequantizePerUse(shared, returned).visit_expr(func)
 
 
 def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:

@@ -23,6 +23,9 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 
+from .qparams import per_tensor_qparams
+from .relax_exprs import is_call, static_shape
+
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
 
@@ -32,20 +35,6 @@ AGNOSTIC_OPS = frozenset({
     "relax.minimum",
 })
 """Operators computed element by element: the same in any layout, once operands are consistently laid out."""
-
-
-def _shape(expr) -> tuple[int, ...] | None:
-    ty = getattr(expr, "ty", None)
-    if not isinstance(ty, relax.TensorType) or ty.shape is None:
-        return None
-    try:
-        return tuple(int(d) for d in ty.shape.values)
-    except (TypeError, AttributeError):
-        return None
-
-
-def _is_call(expr, name: str) -> bool:
-    return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == name
 
 
 class _NhwcRewriter:
@@ -68,7 +57,8 @@ class _NhwcRewriter:
         if expr in self.twins:
             return self.twins[expr]
         value = self.values.get(expr)
-        if _is_call(value, "relax.dequantize") and _per_tensor(value) and _shape(value.args[0]) == _shape(expr):
+        if (is_call(value, "relax.dequantize") and per_tensor_qparams(value) is not None
+                and static_shape(value.args[0]) == static_shape(expr)):
             twin = self.bb.emit(relax.op.dequantize(self.nhwc(value.args[0]), value.args[1], value.args[2],
                                                     axis=-1, out_dtype=str(value.attrs.out_dtype)))
         else:
@@ -83,7 +73,7 @@ class _NhwcRewriter:
         if expr in self.mapped:
             return self.mapped[expr]
         value = self.values.get(expr)
-        if _is_call(value, "relax.dequantize") and _per_tensor(value) and value.args[0] in self.twins:
+        if is_call(value, "relax.dequantize") and per_tensor_qparams(value) is not None and value.args[0] in self.twins:
             back = self.bb.emit(relax.op.dequantize(self.nchw(value.args[0]), value.args[1], value.args[2],
                                                     axis=int(value.attrs.axis), out_dtype=str(value.attrs.out_dtype)))
         else:
@@ -96,7 +86,7 @@ class _NhwcRewriter:
         a = call.attrs
         if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != ("NCHW", "OIHW", "NCHW"):
             return None
-        channels = _shape(call.args[0])[1]
+        channels = static_shape(call.args[0])[1]
         depthwise = int(a.groups) == channels and int(a.groups) > 1
         if int(a.groups) != 1 and not depthwise:
             return None
@@ -114,9 +104,9 @@ class _NhwcRewriter:
         value = self.values.get(weight, weight)
         if isinstance(value, Constant):
             return relax.const(np.ascontiguousarray(np.transpose(value.value.numpy(), axes)))
-        if _is_call(value, "relax.dequantize") and isinstance(value.args[0], Constant):
+        if is_call(value, "relax.dequantize") and isinstance(value.args[0], Constant):
             raw = np.ascontiguousarray(np.transpose(value.args[0].value.numpy(), axes))
-            axis = axes.index(int(value.attrs.axis) % 4) if not _per_tensor(value) else 0
+            axis = axes.index(int(value.attrs.axis) % 4) if not per_tensor_qparams(value) is not None else 0
             return self.bb.emit(relax.op.dequantize(relax.const(raw), value.args[1], value.args[2], axis=axis,
                                                     out_dtype=str(value.attrs.out_dtype)))
         return None
@@ -127,7 +117,7 @@ class _NhwcRewriter:
             return None
         options = dict(pool_size=a.pool_size, strides=a.strides, dilation=a.dilation, padding=a.padding,
                        ceil_mode=bool(a.ceil_mode), layout="NHWC", out_layout="NHWC")
-        if _is_call(call, "relax.nn.avg_pool2d"):
+        if is_call(call, "relax.nn.avg_pool2d"):
             return relax.op.nn.avg_pool2d(self.nhwc(call.args[0]), count_include_pad=bool(a.count_include_pad),
                                           **options)
         return relax.op.nn.max_pool2d(self.nhwc(call.args[0]), **options)
@@ -149,18 +139,18 @@ class _NhwcRewriter:
     def _has_twin(self, expr) -> bool:
         """Whether the NHWC view of ``expr`` exists or costs no float transpose (a dequantized twin)."""
         value = self.values.get(expr)
-        return expr in self.twins or (_is_call(value, "relax.dequantize") and value.args[0] in self.twins)
+        return expr in self.twins or (is_call(value, "relax.dequantize") and value.args[0] in self.twins)
 
     # -- layout-agnostic operators ----------------------------------------------------------------
     def _agnostic(self, var, call):
         """NHWC version of an elementwise operator, if an operand already has a twin and all operands fit."""
-        out_shape = _shape(var)
-        tensors = [arg for arg in call.args if _shape(arg) is not None and len(_shape(arg)) == 4]
+        out_shape = static_shape(var)
+        tensors = [arg for arg in call.args if static_shape(arg) is not None and len(static_shape(arg)) == 4]
         if out_shape is None or len(out_shape) != 4 or not any(self._has_twin(t) for t in tensors):
             return None
         args = []
         for arg in call.args:
-            shape = _shape(arg)
+            shape = static_shape(arg)
             if shape is not None and len(shape) == 4:
                 args.append(self.nhwc(arg))
             elif shape is None or int(np.prod(shape)) == 1:
@@ -168,10 +158,10 @@ class _NhwcRewriter:
             else:
                 return None  # a lower-rank operand broadcasts against the last axis, which the layout changes
         attrs = call.attrs
-        if _is_call(call, "relax.quantize") or _is_call(call, "relax.dequantize"):
-            if not _per_tensor(call):
+        if is_call(call, "relax.quantize") or is_call(call, "relax.dequantize"):
+            if per_tensor_qparams(call) is None:
                 return None
-            make = relax.op.quantize if _is_call(call, "relax.quantize") else relax.op.dequantize
+            make = relax.op.quantize if is_call(call, "relax.quantize") else relax.op.dequantize
             return make(args[0], args[1], args[2], axis=-1, out_dtype=str(attrs.out_dtype))
         return relax.Call(call.op, args, attrs, call.ty_args)
 
@@ -187,7 +177,7 @@ class _NhwcRewriter:
                 for block in func.body.blocks:
                     for binding in block.bindings:
                         self._visit(binding.var, binding.value)
-                outputs = self._output(func.body.body)
+                outputs = self._in_original_layout(func.body.body)
                 gv = self.bb.emit_output(outputs)
             self.bb.emit_func_output(gv)
         return self.bb.get()["f"]
@@ -197,7 +187,7 @@ class _NhwcRewriter:
         twin = None
         if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op):
             rule = self.rules.get(value.op.name)
-            if rule is not None and len(_shape(var) or ()) == 4:
+            if rule is not None and len(static_shape(var) or ()) == 4:
                 twin = rule(value)
             elif value.op.name in AGNOSTIC_OPS:
                 twin = self._agnostic(var, value)
@@ -216,21 +206,15 @@ class _NhwcRewriter:
             return relax.TupleGetItem(self._in_original_layout(value.tuple_value), value.index)
         return self.nchw(value) if isinstance(value, relax.Var) else value
 
-    def _output(self, body):
-        return self._in_original_layout(body)
-
-
-def _per_tensor(call) -> bool:
-    return all(isinstance(a, Constant) and a.value.numpy().size == 1 for a in call.args[1:3])
-
 
 def _is_nchw_operator(value) -> bool:
     """An operator written for NCHW data: a convolution, a pooling, or a spatial mean over axes 2 and 3."""
-    if _is_call(value, "relax.nn.conv2d"):
+    if is_call(value, "relax.nn.conv2d"):
         return str(value.attrs.data_layout) == "NCHW"
-    if _is_call(value, "relax.nn.avg_pool2d") or _is_call(value, "relax.nn.max_pool2d"):
+    if is_call(value, "relax.nn.avg_pool2d") or is_call(value, "relax.nn.max_pool2d"):
         return str(value.attrs.layout) == "NCHW"
-    if _is_call(value, "relax.mean") and value.attrs.axis is not None and len(_shape(value.args[0]) or ()) == 4:
+    if (is_call(value, "relax.mean") and value.attrs.axis is not None
+            and len(static_shape(value.args[0]) or ()) == 4):
         return sorted(int(a) % 4 for a in value.attrs.axis) == [2, 3] and bool(value.attrs.keepdims)
     return False
 
@@ -240,7 +224,8 @@ def _needs_conversion(func: relax.Function) -> bool:
 
 
 def convert_to_nhwc(func: relax.Function) -> relax.Function:
-    """The function with its NCHW operators in NHWC (unchanged if it has none, e.g. every TFLite graph)."""
+    """The function with its NCHW operators in NHWC (unchanged if it has none: TFLite graphs have no NCHW
+    convolution or pooling, though a mean over axes 2 and 3 alone would also be converted, correctly)."""
     if not _needs_conversion(func) or len(func.body.blocks) != 1 or not isinstance(
             func.body.blocks[0], relax.DataflowBlock):
         return func

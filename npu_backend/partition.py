@@ -52,7 +52,10 @@ def _composite_sources(original: relax.Function, fused: tvm.IRModule) -> dict:
             callee = binding.value.op if isinstance(binding.value, relax.Call) else None
             if isinstance(callee, relax.GlobalVar) and "Composite" in (fused[callee].attrs or {}):
                 calls.append(callee)
-                inner_names.update({name: callee for name, _ in operator_bindings(fused[callee])})
+                composite = fused[callee]
+                # its output binding is renamed (often "gv", like the graph's own output): not a source name
+                output = composite.body.body.name if isinstance(composite.body.body, relax.Var) else None
+                inner_names.update({name: callee for name, _ in operator_bindings(composite) if name != output})
     host = {name for name, _ in operator_bindings(fused["main"])}
     sources: dict = {callee: [] for callee in calls}
     pending = iter(calls)
@@ -70,7 +73,7 @@ def _operand_order(func: relax.Function, annotations: dict) -> list[int]:
     index = {param: i for i, param in enumerate(func.params)}
     operands = [annotations[role] for role in OPERAND_ROLES if role in annotations]
     variables = [op for op in operands if not isinstance(op, Constant)]
-    if any(op not in index for op in variables) or len(variables) != len(func.params):
+    if any(op not in index for op in variables) or len(set(variables)) != len(func.params):
         raise RuntimeError(f"internal error: operands of {func.attrs['Composite']} are not its parameters")
     return [-1 if isinstance(op, Constant) else index[op] for op in operands]
 

@@ -24,6 +24,7 @@ from tvm.ir.expr import Constant
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
+from ..relax_exprs import static_shape
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
                       ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
 
@@ -39,13 +40,10 @@ def _const(expr, what: str) -> np.ndarray:
 
 
 def _shape(expr) -> tuple[int, ...]:
-    sinfo = expr.ty
-    if not isinstance(sinfo, relax.TensorType) or sinfo.shape is None:
-        raise UnsupportedOpError("tensor shape must be known")
-    try:
-        return tuple(int(d) for d in sinfo.shape.values)
-    except TypeError:
-        raise UnsupportedOpError("dynamic shapes are not supported") from None
+    shape = static_shape(expr)
+    if shape is None:
+        raise UnsupportedOpError("tensor shape must be known and static")
+    return shape
 
 
 def _dtype(expr) -> str:
@@ -93,17 +91,12 @@ def _input_and_output(annotations):
     return (x, in_scale, in_zp, *_int8_qparams(quantize, "output"))
 
 
-def _squeezed_axis(shape: tuple[int, ...], axis: int) -> int:
-    """Position of ``axis`` among the non-unit dimensions of ``shape``."""
-    return sum(1 for d in shape[:axis] if d != 1)
-
-
 def _weights(annotations, out_channels: int, oc_axis_after: int):
-    """Constant int8 weights (after an optional reshape/permute) and per-OC scales.
+    """Constant int8 weights (after an optional transpose of the raw constant) and per-OC scales.
 
     ``oc_axis_after`` is the output-channel axis of the weight as the operator
-    consumes it. The dequantize may sit before a reshape that only moves unit
-    dimensions (per-channel depthwise) or before a transpose (fully connected).
+    consumes it. TFLite's fully connected transposes the int8 constant before
+    dequantizing it; layout ops after the dequantize are folded by canonicalization.
     """
     weight_dq = annotations["weight_dq"]
     raw = _const(annotations["weight"], "weights")
@@ -112,20 +105,14 @@ def _weights(annotations, out_channels: int, oc_axis_after: int):
     scales, zero_points, axis = _qparams(weight_dq, "weights", per_tensor=False)
     if np.any(zero_points != 0):
         raise QParamError("weight zero points must be 0 (symmetric int8 weights)")
-    layout_op = annotations.get("weight_layout")
     dq_shape = _shape(weight_dq)
     value = raw
     if "weight_permute" in annotations:  # permute_dims(const) -> dequantize
-        axes = [int(a) for a in annotations["weight_permute"].attrs.axes]
+        permute = annotations["weight_permute"]
+        axes = ([int(a) % raw.ndim for a in permute.attrs.axes] if permute.attrs.axes is not None
+                else list(reversed(range(raw.ndim))))
         value = np.transpose(raw, axes)
-    if layout_op is not None:  # dequantize(const) -> reshape
-        target = _shape(layout_op)
-        if [d for d in dq_shape if d != 1] != [d for d in target if d != 1]:
-            raise UnsupportedOpError("weight reshape must only add or remove unit dimensions")
-        if scales.size > 1 and _squeezed_axis(dq_shape, axis) != _squeezed_axis(target, oc_axis_after):
-            raise QParamError("per-channel weight axis is not the output-channel axis")
-        value = value.reshape(target)
-    elif scales.size > 1 and axis % len(dq_shape) != oc_axis_after:
+    if scales.size > 1 and axis % len(dq_shape) != oc_axis_after:
         raise QParamError(f"per-channel weight axis {axis} is not the output-channel axis")
     if scales.size not in (1, out_channels):
         raise QParamError(f"{scales.size} weight scales for {out_channels} output channels")

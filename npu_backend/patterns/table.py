@@ -22,7 +22,7 @@ from simulator.config import NpuConfig, get_config
 from ..errors import NpuError
 from ..params import OPERAND_ROLES, NpuParams
 from ..reference import Reference, follow_reference
-from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, first_violation, tiles_fit_sram
+from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, SOFTMAX_RULES, first_violation, tiles_fit_sram
 from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
                       extract_exp, extract_gelu, extract_gelu_tanh,
                       extract_fully_connected, extract_hard_swish, extract_leaky_relu, extract_max_pool2d,
@@ -58,14 +58,13 @@ def _dequantized_input():
 
 
 def conv2d_pattern(with_clip: bool):
-    """conv2d of dequantized int8 input and constant weights (optionally reshaped)."""
+    """conv2d of dequantized int8 input and constant weights (a reshape of the weights, e.g. TFLite's
+    depthwise [1, KH, KW, C] -> HWOI, is folded into the constant by canonicalization)."""
     x, input_dq = _dequantized_input()
     weight = is_const()
     weight_dq = is_op("relax.dequantize")(weight, is_const(), is_const())
-    weight_layout = is_op("relax.reshape")(weight_dq, wildcard())
-    conv = is_op("relax.nn.conv2d")(input_dq, weight_dq | weight_layout)
-    annotations = dict(input=x, input_dq=input_dq, weight=weight, weight_dq=weight_dq,
-                       weight_layout=weight_layout, anchor=conv)
+    conv = is_op("relax.nn.conv2d")(input_dq, weight_dq)
+    annotations = dict(input=x, input_dq=input_dq, weight=weight, weight_dq=weight_dq, anchor=conv)
     return _quantized(conv, annotations, with_clip)
 
 
@@ -264,8 +263,9 @@ OPERATORS = (
     PatternEntry(f"{PREFIX}.requantize", requantize_pattern, extract_requantize, rules=ELEMENTWISE_RULES,
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.softmax", activation_pattern("relax.nn.softmax"), extract_softmax,
-                 rules=ELEMENTWISE_RULES, clip_variant=False),
-    PatternEntry(f"{PREFIX}.transpose", transpose_pattern, extract_transpose, rules=(), clip_variant=False),
+                 rules=SOFTMAX_RULES, clip_variant=False),
+    PatternEntry(f"{PREFIX}.transpose", transpose_pattern, extract_transpose, rules=(tiles_fit_sram,),
+                 clip_variant=False),
     PatternEntry(f"{PREFIX}.strided_slice", strided_slice_pattern, extract_strided_slice, rules=(tiles_fit_sram,),
                  clip_variant=False),
     PatternEntry(f"{PREFIX}.pad", pad_pattern, extract_pad, rules=(tiles_fit_sram,), clip_variant=False),
