@@ -245,8 +245,8 @@ def _rewrite_identity_requantize(graph: "_GraphFacts"):
         source = graph.var(matched[x])
         qp = per_tensor_qparams(orig)
         if (str(orig.attrs.out_dtype) != "int8" or str(source.ty.dtype) != "int8" or qp is None
-                or per_tensor_qparams(matched[dequantized]) != qp):
-            return orig
+                or per_tensor_qparams(matched[dequantized]) != qp or not 0 < qp.scale < float("inf")):
+            return orig  # a zero or non-finite scale makes the pair no identity: leave it to the extraction's checks
         return source
 
     return root, rewriter

@@ -4,7 +4,7 @@ Two users: the compiler (through :mod:`simulator.numerics`) fills the 256-entry
 look-up tables of int8 LOGISTIC, TANH and HARD_SWISH by evaluating TFLite's own
 fixed-point algorithm on every input, which makes the NPU's table look-up
 bit-exact with the reference interpreter; and the simulator's SOFTMAX kernel
-(``numerics.softmax``) runs exp, the reciprocal and the output rescale here.
+(``softmax.softmax``) runs exp, the reciprocal and the output rescale here.
 
 Names and constants follow gemmlowp's fixedpoint.h; a raw value with ``b``
 integer bits represents ``raw / 2**(31 - b)``. The scalar functions take and

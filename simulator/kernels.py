@@ -26,8 +26,10 @@ from .config import NpuConfig
 from .errors import NpuError
 from .isa import (SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode,
                   LUT_ENTRIES, Pooling, Reduction, Softmax, TableLookup, weight_shape)
-from .numerics import (Rounding, elementwise_add, elementwise_mul, elementwise_sub, ort_avg_pool, ort_elementwise,
-                       ort_mean, requantize, requantize_float, softmax, wrap_signed)
+from .numerics import (Rounding, elementwise_add, elementwise_mul, elementwise_sub, requantize, requantize_float,
+                       wrap_signed)
+from .onnxruntime_numerics import ort_avg_pool, ort_elementwise, ort_mean
+from .softmax import softmax
 
 
 @dataclass

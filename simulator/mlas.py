@@ -1,6 +1,6 @@
 """float32 ports of the MLAS activation kernels onnxruntime runs on x86-64, bit for bit.
 
-One user: the compiler, through :func:`simulator.numerics.qdq_table`, fills the
+One user: the compiler, through :func:`simulator.onnxruntime_numerics.qdq_table`, fills the
 256-entry look-up tables of ONNX QDQ Sigmoid, Tanh and HardSwish by running
 onnxruntime's own float32 algorithm on every int8 input, which makes the NPU's
 table look-up bit-exact with onnxruntime (``Rounding.ONNXRUNTIME``). numpy's

@@ -176,7 +176,7 @@ def test_softmax_kernel_matches_reference_per_pixel():
     """Softmax runs over the channels of each pixel: 5 x 7 pixels are 35 independent rows of 13."""
     import reference_kernels as ref
     from simulator.isa import Softmax
-    from simulator.numerics import softmax_params
+    from simulator.softmax import softmax_params
 
     rng = np.random.default_rng(9)
     shape, scale = (1, 5, 7, 13), float(np.float32(0.09))

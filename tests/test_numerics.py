@@ -7,8 +7,7 @@ import pytest
 
 import reference_kernels as ref
 from simulator import NumericsError
-from simulator.numerics import (Rounding, conv_multipliers, fully_connected_multiplier,
-                                multiply_by_quantized_multiplier, quantize_multiplier, requantize)
+from simulator.numerics import Rounding, conv_multipliers, fully_connected_multiplier, multiply_by_quantized_multiplier, quantize_multiplier, requantize
 
 
 @pytest.mark.parametrize("real, expected", [
@@ -82,7 +81,7 @@ def test_requantize_clamps_and_checks_its_range():
 
 def test_activation_tables_track_the_real_functions():
     """The fixed-point tables (exact against BUILTIN_REF in the golden tests) stay within 1 LSB of math."""
-    from simulator.numerics import logistic_table, tanh_table
+    from simulator.tables import logistic_table, tanh_table
 
     x = np.arange(-128, 128)
     s_in, zp = 0.0625, 5
@@ -97,7 +96,7 @@ def test_activation_tables_track_the_real_functions():
 def test_activation_tables_equal_tflite_on_every_input_across_scales():
     """Exhaustive oracle: BUILTIN_REF's LOGISTIC/TANH/HARD_SWISH of all 256 inputs at 7 input scales each."""
     from conftest import FIXTURES
-    from simulator.numerics import hard_swish_table, logistic_table, tanh_table
+    from simulator.tables import hard_swish_table, logistic_table, tanh_table
 
     sweep = np.load(FIXTURES / "tflite" / "activation_tables.npz")
     generators = {"logistic": lambda s, z, so, zo: logistic_table(s, z),
@@ -110,7 +109,7 @@ def test_activation_tables_equal_tflite_on_every_input_across_scales():
 
 
 def test_hard_swish_table_tracks_the_real_function():
-    from simulator.numerics import hard_swish_table
+    from simulator.tables import hard_swish_table
 
     s_in, s_out, zo = 0.04, 0.02, -100
     real = (np.arange(-128, 128)) * s_in
@@ -193,7 +192,7 @@ def test_sub_and_mul_equal_tflite_on_every_input_pair(op):
 
 def test_softmax_params_probe_tflites_limits():
     """2**-26 is where PreprocessSoftmaxScaling aborts (multiplier 1); 40 caps the multiplier at 2**31 - 1."""
-    from simulator.numerics import softmax_params
+    from simulator.softmax import softmax_params
 
     with pytest.raises(NumericsError, match=r"at most 2\*\*-26"):
         softmax_params(2.0 ** -26)
@@ -206,7 +205,7 @@ def test_softmax_params_probe_tflites_limits():
 
 
 def test_softmax_matches_the_slow_reference():
-    from simulator.numerics import softmax, softmax_params
+    from simulator.softmax import softmax, softmax_params
 
     rng = np.random.default_rng(4)
     for scale, depth in ((0.004, 1), (0.05, 13), (0.3, 40), (2.0, 7), (40.0, 5)):
@@ -218,7 +217,7 @@ def test_softmax_matches_the_slow_reference():
 
 def test_softmax_row_sum_of_512_raises_like_tflites_abort():
     """511 equal channels sum to 511 and give 1/511 each (what BUILTIN_REF returns); 512 make TFLite abort."""
-    from simulator.numerics import softmax, softmax_params
+    from simulator.softmax import softmax, softmax_params
 
     params = softmax_params(0.0235)
     assert softmax(np.zeros((1, 511), np.int8), *params).tolist() == [[-127] * 511]
@@ -229,7 +228,7 @@ def test_softmax_row_sum_of_512_raises_like_tflites_abort():
 @pytest.mark.parametrize("depth", [10, 16])
 def test_softmax_equals_tflite(depth):
     """Oracle, tolerance 0: hundreds of rows (uniform, dominant, narrow, constant, tied) at five input scales."""
-    from simulator.numerics import softmax, softmax_params
+    from simulator.softmax import softmax, softmax_params
 
     oracle = _oracle()
     cases = zip(oracle["softmax_scale"], oracle["softmax_beta"], oracle[f"softmax_d{depth}_x"],
@@ -249,7 +248,7 @@ def test_slow_softmax_reference_equals_tflite():
 
 
 def test_softmax_refuses_differences_that_overflow_int32():
-    from simulator.numerics import softmax
+    from simulator.softmax import softmax
 
     row = np.array([[127, -128]])
     assert softmax(row, 1 << 30, 24, -128).tolist() == [[127, -128]]  # 128 << 24 is -2**31: still an int32

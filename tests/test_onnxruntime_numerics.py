@@ -27,7 +27,7 @@ from npu_backend.errors import UnsupportedOpError
 from npu_backend.params import ElementwiseParams, LutParams, MeanParams, NpuOp, PoolParams
 from simulator import (BufferKind, CommandStream, NumericsError, Opcode, Rounding, encode_stream, get_config,
                        run_stream)
-from simulator import mlas, numerics
+from simulator import mlas, numerics, onnxruntime_numerics
 
 ORACLE_PATH = Path(__file__).parent / "fixtures" / "oracle" / "onnxruntime_ops.npz"
 BASE = get_config("npu-256")
@@ -57,18 +57,18 @@ def _run_lowered(p, inputs: dict, out_shape, config):
 
 def test_quantize_linear_divides_in_float32_and_rounds_half_to_even():
     values = np.array([0.5, 1.5, 2.5, -1.5, -2.5, 127.5, -129.5, 1e30, -1e30, 0.0], np.float32)
-    assert numerics.quantize_linear(values, 1.0, 0).tolist() == [0, 2, 2, -2, -2, 127, -128, 127, -128, 0]
+    assert onnxruntime_numerics.quantize_linear(values, 1.0, 0).tolist() == [0, 2, 2, -2, -2, 127, -128, 127, -128, 0]
     # the zero point is added after rounding: rint(-1.5) + 3 = 1, where rint(-1.5 + 3) would be 2
-    assert numerics.quantize_linear(np.float32(-1.5), 1.0, 3) == 1
+    assert onnxruntime_numerics.quantize_linear(np.float32(-1.5), 1.0, 3) == 1
     # a true float32 division: x / s is -127.49999, where x * (1 / s) rounds to -127.5 and then to -128
     x, s = np.float32(-5.4952497482299805), np.float32(0.0431)
     assert np.rint(x * (np.float32(1) / s)) == -128
-    assert numerics.quantize_linear(x, s, 0) == -127
+    assert onnxruntime_numerics.quantize_linear(x, s, 0) == -127
 
 
 def test_dequantize_linear_is_one_float32_product():
     q = np.arange(-128, 128)
-    got = numerics.dequantize_linear(q, 0.0431, 17)
+    got = onnxruntime_numerics.dequantize_linear(q, 0.0431, 17)
     want = [ref.onnxruntime_dequantize(int(v), float(np.float32(0.0431)), 17) for v in q]
     assert got.dtype == np.float32 and got.tolist() == want
 
@@ -76,9 +76,9 @@ def test_dequantize_linear_is_one_float32_product():
 @pytest.mark.parametrize("scale", [0.0, -0.1, float("nan"), float("inf")])
 def test_quantize_and_dequantize_refuse_bad_scales(scale):
     with pytest.raises(NumericsError, match="scale must be positive and finite"):
-        numerics.quantize_linear(np.zeros(2, np.float32), scale, 0)
+        onnxruntime_numerics.quantize_linear(np.zeros(2, np.float32), scale, 0)
     with pytest.raises(NumericsError, match="scale must be positive and finite"):
-        numerics.dequantize_linear(np.zeros(2, np.int8), scale, 0)
+        onnxruntime_numerics.dequantize_linear(np.zeros(2, np.int8), scale, 0)
 
 
 def _float32_nearest(value: Fraction) -> np.float32:
@@ -120,7 +120,7 @@ def _binary_cases(oracle, op):
 def test_elementwise_matches_onnxruntime_on_every_pair(oracle, op):
     ufunc = BINARY[op][0]
     for index, (qparams, want) in enumerate(_binary_cases(oracle, op)):
-        got = numerics.ort_elementwise(ufunc, GRID[0], GRID[1], *qparams)
+        got = onnxruntime_numerics.ort_elementwise(ufunc, GRID[0], GRID[1], *qparams)
         assert int((got != want).sum()) == 0, f"{op} case {index} {qparams}"
         if index == 0:
             s1, z1, s2, z2, so, zo = qparams
@@ -157,8 +157,8 @@ def test_elementwise_kernel_matches_onnxruntime(oracle, op, config):
 
 def test_elementwise_clamp_applies_after_quantization():
     x1, x2 = GRID[0].ravel(), GRID[1].ravel()
-    clamped = numerics.ort_elementwise(np.add, x1, x2, 0.02, -7, 0.031, 12, 0.045, 3, act_min=3, act_max=100)
-    plain = numerics.ort_elementwise(np.add, x1, x2, 0.02, -7, 0.031, 12, 0.045, 3)
+    clamped = onnxruntime_numerics.ort_elementwise(np.add, x1, x2, 0.02, -7, 0.031, 12, 0.045, 3, act_min=3, act_max=100)
+    plain = onnxruntime_numerics.ort_elementwise(np.add, x1, x2, 0.02, -7, 0.031, 12, 0.045, 3)
     np.testing.assert_array_equal(clamped, np.clip(plain, 3, 100))
 
 
@@ -176,11 +176,11 @@ def _pool_cases(oracle, name):
 
 def _sequential_mean(x, si, zi, so, zo):
     """A plain float32 sum in row-major order: the order onnxruntime's global kernel does NOT use."""
-    values = numerics.dequantize_linear(x, si, zi).reshape(-1, x.shape[-1])
+    values = onnxruntime_numerics.dequantize_linear(x, si, zi).reshape(-1, x.shape[-1])
     total = np.zeros(values.shape[1], np.float32)
     for row in values:
         total = total + row
-    return numerics.quantize_linear(total / np.float32(values.shape[0]), so, zo)
+    return onnxruntime_numerics.quantize_linear(total / np.float32(values.shape[0]), so, zo)
 
 
 @pytest.mark.parametrize("name", POOLS)
@@ -188,9 +188,9 @@ def test_avg_pool_matches_onnxruntime(oracle, name):
     kh, kw, sh, sw, *padding = (int(v) for v in oracle[f"{name}_geometry"])
     for x, want, qparams in _pool_cases(oracle, name):
         if (kh, kw) == x.shape[:2]:   # onnxruntime's global kernel: the MEAN unit's order
-            got = numerics.ort_mean(x, *qparams).reshape(want.shape)
+            got = onnxruntime_numerics.ort_mean(x, *qparams).reshape(want.shape)
         else:
-            got = numerics.ort_avg_pool(x, (kh, kw), (sh, sw), tuple(padding), *qparams)
+            got = onnxruntime_numerics.ort_avg_pool(x, (kh, kw), (sh, sw), tuple(padding), *qparams)
             assert got.tolist() == ref.onnxruntime_avg_pool(x.tolist(), (kh, kw), (sh, sw), padding, *qparams)
         np.testing.assert_array_equal(got, want)
 
@@ -199,7 +199,7 @@ def test_avg_pool_matches_onnxruntime(oracle, name):
 def test_global_average_matches_onnxruntime(oracle, name):
     sequential_misses = 0
     for x, want, qparams in _pool_cases(oracle, name):
-        got = numerics.ort_mean(x, *qparams)
+        got = onnxruntime_numerics.ort_mean(x, *qparams)
         np.testing.assert_array_equal(got, want.reshape(-1))
         assert got.tolist() == ref.onnxruntime_global_average(x.tolist(), *qparams)
         sequential_misses += int((_sequential_mean(x, *qparams) != want.reshape(-1)).sum())
@@ -295,7 +295,7 @@ def test_tables_match_onnxruntime(oracle, op):
                       output_scale=qparams[2], output_zero_point=qparams[3], alpha=alpha, rounding=ORT)
         np.testing.assert_array_equal(lut_table(p), want, err_msg=f"{op} {qparams}")
         if op in NUMPY_FLOAT64:
-            numpy_misses += int((numerics.qdq_table(NUMPY_FLOAT64[op], *qparams) != want).sum())
+            numpy_misses += int((onnxruntime_numerics.qdq_table(NUMPY_FLOAT64[op], *qparams) != want).sum())
     if op in NUMPY_FLOAT64:
         assert numpy_misses > 0, "the searched cases must tell MLAS's polynomial from numpy's function"
 

@@ -116,3 +116,18 @@ def test_report_names_each_operator_under_its_own_composite():
     assert placed == [("relax.permute_dims", "npu.transpose"), ("relax.dequantize", "npu.mean"),
                       ("relax.mean", "npu.mean"), ("relax.quantize", "npu.mean"),
                       ("relax.permute_dims", "npu.transpose")]
+
+
+@pytest.mark.parametrize("scale, removed", [(0.05, True), (0.0, False)])
+def test_identity_requantize_is_removed_only_when_it_is_one(scale, removed):
+    from npu_backend.canonicalize import canonicalize
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8), "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            d = bb.emit(relax.op.dequantize(x, f32(scale), i32(4), axis=0))
+            gv = bb.emit_output(relax.op.quantize(d, f32(scale), i32(4), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    text = canonicalize(bb.get()).script()
+    assert ("R.quantize" not in text) == removed

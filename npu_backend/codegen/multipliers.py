@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from simulator import mlas, numerics
+from simulator import mlas, numerics, onnxruntime_numerics, softmax, tables
 
 from ..errors import QParamError, UnsupportedOpError
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
@@ -69,7 +69,7 @@ def elementwise_multipliers(p: ElementwiseParams):
 
 def softmax_multiplier(p: SoftmaxParams):
     """(input multiplier, input left shift, diff_min) of TFLite's reference int8 SOFTMAX."""
-    return numerics.softmax_params(p.input_scale, p.beta)
+    return softmax.softmax_params(p.input_scale, p.beta)
 
 
 def mean_multiplier(p: MeanParams):
@@ -107,8 +107,8 @@ def pool_qparams(p: PoolParams):
 
 
 FIXED_OUTPUT_ACTIVATIONS = {
-    NpuOp.SIGMOID: (numerics.logistic_table, (1.0 / 256, -128), "LOGISTIC"),
-    NpuOp.TANH: (numerics.tanh_table, (1.0 / 128, 0), "TANH"),
+    NpuOp.SIGMOID: (tables.logistic_table, (1.0 / 256, -128), "LOGISTIC"),
+    NpuOp.TANH: (tables.tanh_table, (1.0 / 128, 0), "TANH"),
 }
 """Table generator and the output qparams TFLite's int8 kernel requires, per activation."""
 
@@ -120,22 +120,22 @@ ORT_TABLE_FUNCTIONS = {
     NpuOp.REQUANTIZE: np.float32,
 }
 """onnxruntime's float32 function of each table operator (MLAS's kernels; a requantize is DQ -> Q);
-LEAKY_RELU takes its alpha in :func:`numerics.qdq_leaky_relu_table`."""
+LEAKY_RELU takes its alpha in :func:`onnxruntime_numerics.qdq_leaky_relu_table`."""
 
 
 def ort_lut_table(p: LutParams) -> np.ndarray:
     """onnxruntime's ``Q(f(DQ(q)))`` for every int8 q; any output qparams (onnxruntime fixes none)."""
     args = (p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op == NpuOp.LEAKY_RELU:
-        return numerics.qdq_leaky_relu_table(*args, p.alpha)
+        return onnxruntime_numerics.qdq_leaky_relu_table(*args, p.alpha)
     try:
         function = ORT_TABLE_FUNCTIONS[p.op]
     except KeyError:
         raise UnsupportedOpError(f"no onnxruntime table for {p.op.value}") from None
-    return numerics.qdq_table(function, *args)
+    return onnxruntime_numerics.qdq_table(function, *args)
 
 
-LUT_POPULATE_FUNCTIONS = {NpuOp.EXP: np.exp, NpuOp.GELU: numerics.tflite_gelu, NpuOp.GELU_TANH: numerics.tflite_gelu_tanh}
+LUT_POPULATE_FUNCTIONS = {NpuOp.EXP: np.exp, NpuOp.GELU: tables.tflite_gelu, NpuOp.GELU_TANH: tables.tflite_gelu_tanh}
 """Operators whose TFLite int8 kernel is a ``LUTPopulate`` table of a float function."""
 
 
@@ -144,14 +144,14 @@ def lut_table(p: LutParams) -> np.ndarray:
     if p.rounding == numerics.Rounding.ONNXRUNTIME:
         return ort_lut_table(p)
     if p.op == NpuOp.REQUANTIZE:
-        return numerics.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+        return tables.requantize_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op == NpuOp.HARD_SWISH:
-        return numerics.hard_swish_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
+        return tables.hard_swish_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point)
     if p.op in LUT_POPULATE_FUNCTIONS:
-        return numerics.lut_populate(LUT_POPULATE_FUNCTIONS[p.op], p.input_scale, p.input_zero_point,
+        return tables.lut_populate(LUT_POPULATE_FUNCTIONS[p.op], p.input_scale, p.input_zero_point,
                                      p.output_scale, p.output_zero_point)
     if p.op == NpuOp.LEAKY_RELU:
-        return numerics.leaky_relu_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point,
+        return tables.leaky_relu_table(p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point,
                                          p.alpha)
     generate, (scale, zero_point), name = FIXED_OUTPUT_ACTIVATIONS[p.op]
     if (p.output_scale, p.output_zero_point) != (float(np.float32(scale)), zero_point):
