@@ -57,10 +57,10 @@ class _NhwcRewriter:
         if expr in self.twins:
             return self.twins[expr]
         value = self.values.get(expr)
-        if (is_call(value, "relax.dequantize") and per_tensor_qparams(value) is not None
+        if (is_call(value, "relax.dequantize") and _nhwc_axis(value) is not None
                 and static_shape(value.args[0]) == static_shape(expr)):
             twin = self.bb.emit(relax.op.dequantize(self.nhwc(value.args[0]), value.args[1], value.args[2],
-                                                    axis=-1, out_dtype=str(value.attrs.out_dtype)))
+                                                    axis=_nhwc_axis(value), out_dtype=str(value.attrs.out_dtype)))
         else:
             twin = self.bb.emit(relax.op.permute_dims(self.nchw(expr), TO_NHWC))
         self.twins[expr] = twin
@@ -73,7 +73,7 @@ class _NhwcRewriter:
         if expr in self.mapped:
             return self.mapped[expr]
         value = self.values.get(expr)
-        if is_call(value, "relax.dequantize") and per_tensor_qparams(value) is not None and value.args[0] in self.twins:
+        if is_call(value, "relax.dequantize") and value.args[0] in self.twins:
             back = self.bb.emit(relax.op.dequantize(self.nchw(value.args[0]), value.args[1], value.args[2],
                                                     axis=int(value.attrs.axis), out_dtype=str(value.attrs.out_dtype)))
         else:
@@ -106,7 +106,7 @@ class _NhwcRewriter:
             return relax.const(np.ascontiguousarray(np.transpose(value.value.numpy(), axes)))
         if is_call(value, "relax.dequantize") and isinstance(value.args[0], Constant):
             raw = np.ascontiguousarray(np.transpose(value.args[0].value.numpy(), axes))
-            axis = axes.index(int(value.attrs.axis) % 4) if not per_tensor_qparams(value) is not None else 0
+            axis = axes.index(int(value.attrs.axis) % 4) if per_tensor_qparams(value) is None else 0
             return self.bb.emit(relax.op.dequantize(relax.const(raw), value.args[1], value.args[2], axis=axis,
                                                     out_dtype=str(value.attrs.out_dtype)))
         return None
@@ -159,10 +159,11 @@ class _NhwcRewriter:
                 return None  # a lower-rank operand broadcasts against the last axis, which the layout changes
         attrs = call.attrs
         if is_call(call, "relax.quantize") or is_call(call, "relax.dequantize"):
-            if per_tensor_qparams(call) is None:
+            axis = _nhwc_axis(call)
+            if axis is None:
                 return None
             make = relax.op.quantize if is_call(call, "relax.quantize") else relax.op.dequantize
-            return make(args[0], args[1], args[2], axis=-1, out_dtype=str(attrs.out_dtype))
+            return make(args[0], args[1], args[2], axis=axis, out_dtype=str(attrs.out_dtype))
         return relax.Call(call.op, args, attrs, call.ty_args)
 
     # -- driver -------------------------------------------------------------------------------------
@@ -205,6 +206,16 @@ class _NhwcRewriter:
         if isinstance(value, relax.TupleGetItem):
             return relax.TupleGetItem(self._in_original_layout(value.tuple_value), value.index)
         return self.nchw(value) if isinstance(value, relax.Var) else value
+
+
+def _nhwc_axis(call) -> int | None:
+    """The quantization axis of a (de)quantize of NCHW data once the data is NHWC: -1 for per-tensor
+    qparams, the channel axis's new place for per-axis ones, None if the qparams are not constants."""
+    if per_tensor_qparams(call) is not None:
+        return -1
+    if not all(isinstance(a, Constant) for a in call.args[1:3]):
+        return None
+    return TO_NHWC.index(int(call.attrs.axis) % 4)
 
 
 def _is_nchw_operator(value) -> bool:

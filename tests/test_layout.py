@@ -80,3 +80,50 @@ def test_an_operator_that_needs_nchw_gets_it_back_by_one_transpose():
     assert all(str(p.args[0].ty.dtype) == "int8" for p in permutes)
     (reshape,) = _calls(main, "relax.reshape")
     assert tuple(reshape.args[0].ty.shape.values) == (1, 8, 6, 6)
+
+
+def _nchw_conv(kernel=3, weight_is_param=False, x_dtype="int8", per_channel_input=False):
+    """An ONNX-style QDQ conv (NCHW/OIHW, int8 zero points) built by hand, varying one thing."""
+    rng = np.random.default_rng(0)
+    f32 = lambda v: relax.const(np.asarray(v, np.float32))  # noqa: E731
+    i8 = lambda v: relax.const(np.asarray(v, np.int8))  # noqa: E731
+    w = rng.integers(-127, 128, (8, 4, kernel, kernel), dtype=np.int8)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 12, 12), x_dtype))
+    params = [x]
+    if weight_is_param:
+        wv = relax.Var("w", relax.TensorType(w.shape, "int8"))
+        params.append(wv)
+    with bb.function("main", params):
+        with bb.dataflow():
+            if x_dtype == "int8":
+                in_scale = f32(np.full(4, 0.05)) if per_channel_input else f32(0.05)
+                in_zp = i8(np.full(4, 3)) if per_channel_input else i8(3)
+                dx = bb.emit(relax.op.dequantize(x, in_scale, in_zp, axis=1))
+            else:
+                dx = x
+            dw = bb.emit(relax.op.dequantize(wv if weight_is_param else relax.const(w), f32(np.full(8, 0.01)),
+                                             i8(np.zeros(8)), axis=0))
+            pad = kernel // 2
+            conv = bb.emit(relax.op.nn.conv2d(dx, dw, padding=(pad, pad, pad, pad)))
+            gv = bb.emit_output(relax.op.quantize(conv, f32(0.2), i8(-1), axis=1, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_nchw_conv_reaches_the_same_composite_as_tflite():
+    mod = npu_backend.partition_for_npu(_nchw_conv(), reference="onnxruntime")
+    report = npu_backend.partition_report(mod)
+    assert {o.composite for o in report.npu_ops} == {"npu.conv2d", "npu.transpose"} and not report.host_ops
+
+
+@pytest.mark.parametrize("variant, reason", [
+    (dict(kernel=9), "kernel 9x9 exceeds the NPU maximum of 8"),
+    (dict(weight_is_param=True), "no NPU pattern covers this operator"),
+    (dict(x_dtype="float32"), "no NPU pattern covers this operator"),
+    (dict(per_channel_input=True), "input must be quantized per tensor")])
+def test_nchw_conv_the_npu_cannot_run_stays_on_host_with_the_reason(variant, reason):
+    mod = npu_backend.partition_for_npu(_nchw_conv(**variant), reference="onnxruntime")
+    report = npu_backend.partition_report(mod)
+    (conv,) = [o for o in report.ops if o.op == "relax.nn.conv2d"]
+    assert conv.target == "host" and reason in conv.reason, report.format_table()
