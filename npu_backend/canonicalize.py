@@ -15,6 +15,10 @@ Rewritten idioms:
   scale is recovered as ``s_acc / s_in`` (seed 003: the composite must carry both,
   not only their product). When ``s_in`` cannot be inferred the idiom is left
   alone and stays on the host.
+* (not rewritten here) the same convolution requantized by an explicit
+  fixed-point multiply / rounding shift / clip chain: its integer multipliers
+  decide its results and no float scale can carry them, so the pattern table
+  matches it as it stands (:mod:`npu_backend.patterns.fixed_point`).
 * concatenation of inputs whose qparams differ from the output's:
   ``quantize(concat(dequantize(x_i, s_i, z_i)...), s, z)``. Each such input gets
   its own requantize, ``dequantize(quantize(dequantize(x_i, s_i, z_i), s, z), s, z)``,

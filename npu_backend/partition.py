@@ -96,6 +96,21 @@ def _transparent_qparams(params, qp: TensorQParams | None) -> tuple:
     return params, {f"npu.{k}": to_attrs_value(v) for k, v in values.items()}
 
 
+def _role_qparams(entry, func: relax.Function, annotations: dict, site, output: str | None,
+                  tensor_qparams: dict) -> dict:
+    """Dataflow qparams of the tensors an entry asks for: a composite parameter is its call's argument,
+    and its result the last original binding it absorbed (the call's own variable is renamed)."""
+    if not entry.qparam_roles or site is None:
+        return {}
+    names = {"output": output}
+    for role in entry.qparam_roles:
+        expr = annotations.get(role)
+        if any(expr is p or expr.same_as(p) for p in func.params):
+            arg = site.value.args[[p.same_as(expr) for p in func.params].index(True)]
+            names[role] = arg.name if isinstance(arg, relax.Var) else None
+    return {role: tensor_qparams.get(names.get(role)) for role in entry.qparam_roles}
+
+
 def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference: Reference) -> tvm.IRModule:
     """Write each composite's extracted qparams, and the bindings it absorbed, onto it as attributes.
 
@@ -105,13 +120,17 @@ def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference:
     """
     sources = _composite_sources(original, mod)
     tensor_qparams = {var.name: qp for var, qp in infer_qparams(original).items()}
+    call_sites = {b.value.op: b for block in mod["main"].body.blocks for b in block.bindings
+                  if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.GlobalVar)}
     for gvar, func in list(mod.functions_items()):
         name = str(func.attrs["Composite"]) if func.attrs and "Composite" in func.attrs else ""
         if not name.startswith(PREFIX + "."):
             continue
         entry, annotations = _match_annotations(name, func)
-        params = extract_params(entry, annotations, reference)
         absorbed = sources.get(gvar, [])
+        params = extract_params(entry, annotations, reference,
+                                _role_qparams(entry, func, annotations, call_sites.get(gvar),
+                                              absorbed[-1] if absorbed else None, tensor_qparams))
         params, extra = _transparent_qparams(params, tensor_qparams.get(absorbed[-1]) if absorbed else None)
         mod[gvar] = func.with_attrs({**to_attrs(params), **extra, SOURCE_ATTR: absorbed,
                                      OPERANDS_ATTR: _operand_order(func, annotations)})
@@ -195,7 +214,8 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET, reference
     if not isinstance(mod, tvm.IRModule) or "main" not in mod:
         raise NpuError("partition_for_npu needs an IRModule with a 'main' function")
     original = relax.transform.ConvertToDataflow()(canonicalize(mod))
-    context = PartitionContext(config, resolve_reference(mod, reference))
+    context = PartitionContext(config, resolve_reference(mod, reference),
+                               tensor_qparams={v.name: qp for v, qp in infer_qparams(original["main"]).items()})
     token = ACTIVE_CONTEXT.set(context)
     try:
         fused = relax.transform.FuseOpsByPattern(registered_patterns(), bind_constants=True,

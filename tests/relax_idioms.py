@@ -251,3 +251,45 @@ def integer_fc_module(idiom: ConvIdiom):
                                                   axis=0, out_dtype="int8"))
         bb.emit_func_output(gv)
     return bb.get()
+
+
+def fixed_point_conv_module(idiom: ConvIdiom, multipliers=None, shifts=None):
+    """``idiom``'s convolution in the integer domain with its requantization written in fixed point:
+    ``(acc * M + 2**(S-1)) >> S + z_out``, clipped and narrowed; M, S from the float32 scales as TFLite's
+    single-rounding build derives them, unless given. Only the input's quantize and the output's dequantize
+    state qparams."""
+    from simulator.numerics import Rounding, conv_multipliers
+
+    if multipliers is None:
+        multipliers, shifts = conv_multipliers(idiom.input_scale, idiom.weight_scales, idiom.output_scale,
+                                               Rounding.TFLITE_SINGLE)
+        multipliers = np.broadcast_to(multipliers, (idiom.out_channels,))
+        shifts = np.broadcast_to(shifts, (idiom.out_channels,))
+    right = 31 - np.asarray(shifts, np.int64)
+    bb = relax.BlockBuilder()
+    real = relax.Var("real", relax.TensorType(idiom.x_shape, "float32"))
+    with bb.function("main", [real]):
+        with bb.dataflow():
+            x = bb.emit(relax.op.quantize(real, f32(idiom.input_scale), i32(idiom.input_zero_point), axis=0,
+                                          out_dtype="int8"))
+            wide = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), i32(idiom.input_zero_point)))
+            if idiom.op == "fc":  # weights [OC, IC] -> the matmul's [IC, OC]
+                w = relax.op.astype(relax.const(np.ascontiguousarray(idiom.weights.T)), "int32")
+                acc = bb.emit(relax.op.matmul(wide, w, out_dtype="int32"))
+            else:
+                acc = bb.emit(relax.op.nn.conv2d(wide, relax.op.astype(relax.const(idiom.weights), "int32"),
+                                                 strides=idiom.strides, padding=idiom.padding,
+                                                 dilation=idiom.dilation, data_layout="NHWC", kernel_layout="HWIO",
+                                                 out_dtype="int32"))
+            acc = bb.emit(relax.op.add(acc, i32(idiom.bias_values)))
+            i64 = lambda v: relax.const(np.array(v, dtype=np.int64), "int64")  # noqa: E731
+            product = bb.emit(relax.op.multiply(relax.op.astype(acc, "int64"), i64(multipliers)))
+            shifted = bb.emit(relax.op.right_shift(relax.op.add(product, i64(np.int64(1) << (right - 1))),
+                                                   i64(right)))
+            out = bb.emit(relax.op.add(relax.op.astype(shifted, "int32"), i32(idiom.output_zero_point)))
+            low, high = idiom.clip or (-128, 127)
+            q = bb.emit(relax.op.astype(relax.op.clip(out, low, high), "int8"))
+            gv = bb.emit_output(relax.op.dequantize(q, f32(idiom.output_scale), i32(idiom.output_zero_point),
+                                                    axis=0))
+        bb.emit_func_output(gv)
+    return bb.get()

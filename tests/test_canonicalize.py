@@ -234,3 +234,40 @@ def test_transparent_composites_carry_the_qparams_the_dataflow_analysis_finds():
     assert found == {name: (0.125, -3, 0.125, -3) for name in ("npu.max_pool2d", "npu.pad", "npu.reshape")}
     (pool,) = [p for name, p in composites(mod) if name == "npu.max_pool2d"]
     assert (pool.input_scale, pool.output_zero_point) == (0.125, -3)  # the record itself holds them
+
+
+@pytest.mark.parametrize("op, per_channel", [("conv2d", True), ("conv2d", False), ("fc", True)])
+def test_fixed_point_requantize_chain_runs_exactly_what_it_says(op, per_channel):
+    """The integer conv requantized by an explicit multiply / rounding shift / clip chain: one npu.conv2d with
+    s_in and s_w recovered separately, single rounding, and outputs equal to TVM executing the chain itself
+    (integer arithmetic, exact on the CPU)."""
+    from relax_idioms import fixed_point_conv_module
+
+    shape = (1, 24) if op == "fc" else (1, 8, 8, 4)
+    idiom = ConvIdiom(op=op, x_shape=shape, per_channel=per_channel, clip=(-20, 127), seed=4)
+    module = fixed_point_conv_module(idiom)
+    mod = npu_backend.partition_for_npu(module)
+    (name, p), = composites(mod)
+    assert name == {"conv2d": "npu.conv2d", "fc": "npu.fully_connected"}[op]
+    assert p.rounding.name == "TFLITE_SINGLE" and p.per_channel == per_channel
+    assert (p.input_scale, p.input_zero_point) == (np.float32(idiom.input_scale), idiom.input_zero_point)
+    np.testing.assert_array_equal(p.weight_scales, np.broadcast_to(idiom.weight_scales, (6,)))  # exactly
+    assert (p.output_scale, p.output_zero_point, p.clamp) == (np.float32(0.05), 5, (-20, 127))
+    assert [o.op for o in npu_backend.partition_report(mod).host_ops] == ["relax.quantize", "relax.dequantize"]
+    npu = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    host = relax.VirtualMachine(tvm.compile(module, target="llvm"), tvm.cpu())
+    rng = np.random.default_rng(7)
+    for _ in range(3):
+        real = rng.uniform(-1.2, 1.2, idiom.x_shape).astype(np.float32)
+        x = tvm.runtime.tensor(real)
+        np.testing.assert_array_equal(npu["main"](x).numpy(), host["main"](x).numpy())
+
+
+def test_fixed_point_chain_whose_multipliers_no_scales_produce_stays_on_host():
+    from relax_idioms import fixed_point_conv_module
+
+    idiom = ConvIdiom(seed=4)
+    module = fixed_point_conv_module(idiom, multipliers=np.full(6, (1 << 30) + 12345), shifts=np.full(6, -9))
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(module))
+    (conv,) = [o for o in report.ops if o.op == "relax.nn.conv2d"]
+    assert conv.target == "host" and "multipliers are not those of any float32 weight scales" in conv.reason

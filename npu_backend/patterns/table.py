@@ -12,16 +12,19 @@ import contextvars
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.backend.pattern_registry import get_patterns_with_prefix, register_patterns
 from tvm.relax.backend.utils import has_leaking_intermediate_variables
 from tvm.relax.dpl.pattern import DFPattern, is_const, is_op, is_tuple, wildcard
 
 from simulator.config import NpuConfig, get_config
+from simulator.numerics import Rounding
 
 from ..errors import NpuError
-from ..params import OPERAND_ROLES, NpuParams
+from ..params import OPERAND_ROLES, NpuOp, NpuParams
 from ..reference import Reference, follow_reference
+from .fixed_point import QPARAM_ROLES, extract_fixed_point, fixed_point_pattern
 from .checks import CONV_RULES, ELEMENTWISE_RULES, POOL_RULES, SOFTMAX_RULES, first_violation, tiles_fit_sram
 from .extract import (extract_add, extract_avg_pool2d, extract_concat, extract_conv2d, extract_depthwise_conv2d,
                       extract_exp, extract_gelu, extract_gelu_tanh,
@@ -226,9 +229,16 @@ class PatternEntry:
     clip_variant: bool = True
     constant_operands: frozenset = frozenset()
     """Operand roles the extraction accepts as constants (it then carries their values)."""
+    qparam_roles: tuple = ()
+    """Annotated tensors whose qparams the extraction receives from the dataflow analysis (its second
+    argument: role -> TensorQParams or None), for idioms that state no qparams of their own."""
 
 
 OPERATORS = (
+    PatternEntry(f"{PREFIX}.conv2d", fixed_point_pattern("relax.nn.conv2d"), extract_fixed_point(NpuOp.CONV2D),
+                 clip_variant=False, qparam_roles=QPARAM_ROLES),
+    PatternEntry(f"{PREFIX}.fully_connected", fixed_point_pattern("relax.matmul"),
+                 extract_fixed_point(NpuOp.FULLY_CONNECTED), clip_variant=False, qparam_roles=QPARAM_ROLES),
     PatternEntry(f"{PREFIX}.conv2d", conv2d_pattern, extract_conv2d),
     PatternEntry(f"{PREFIX}.depthwise_conv2d", conv2d_pattern, extract_depthwise_conv2d),
     PatternEntry(f"{PREFIX}.fully_connected", matmul_pattern, extract_fully_connected),
@@ -291,15 +301,32 @@ class PartitionContext:
     config: NpuConfig
     reference: Reference = Reference.TFLITE
     rejections: list[Rejection] = field(default_factory=list)
+    tensor_qparams: dict = field(default_factory=dict)
+    """Binding name -> TensorQParams of the graph being partitioned (the dataflow analysis)."""
 
 
-def extract_params(entry: PatternEntry, annotations: Mapping, reference: Reference) -> NpuParams:
-    """The one extraction the check and the composite annotation share, in the reference's rounding."""
-    return follow_reference(entry.extract(annotations), reference)
+def extract_params(entry: PatternEntry, annotations: Mapping, reference: Reference,
+                   qparams: Mapping | None = None) -> NpuParams:
+    """The one extraction the check and the composite annotation share, in the reference's rounding.
+
+    An idiom that states its own arithmetic (its ``rounding`` is not TFLite's default) keeps it.
+    """
+    params = entry.extract(annotations, qparams or {}) if entry.qparam_roles else entry.extract(annotations)
+    if getattr(params, "rounding", None) == Rounding.TFLITE_SINGLE:
+        return params
+    return follow_reference(params, reference)
 
 
 ACTIVE_CONTEXT: contextvars.ContextVar[PartitionContext | None] = contextvars.ContextVar(
     "npu_partition_context", default=None)
+
+
+def _bound_name(expr, context) -> str | None:
+    """The binding name of a matched expression (the matcher hands over values, not their variables)."""
+    if isinstance(expr, relax.Var):
+        return expr.name
+    var = context.value_to_bound_var.get(expr) if expr is not None else None
+    return var.name if var is not None else None
 
 
 def _make_check(entry: PatternEntry):
@@ -316,8 +343,10 @@ def _make_check(entry: PatternEntry):
             reason = "an operand is a constant; the NPU reads operands from tensors the graph computes"
         else:
             try:
-                reason = first_violation(extract_params(entry, annotations, active.reference), active.config,
-                                         entry.rules)
+                qparams = {role: active.tensor_qparams.get(_bound_name(annotations.get(role), context))
+                           for role in entry.qparam_roles}
+                reason = first_violation(extract_params(entry, annotations, active.reference, qparams),
+                                         active.config, entry.rules)
             except NpuError as exc:
                 reason = str(exc)
             except Exception as exc:  # an idiom variant the extraction did not foresee: host, not a crash
