@@ -167,6 +167,25 @@ def pool_module(kind, shape=(1, 9, 9, 8), pool_size=(2, 2), strides=(2, 2), padd
     return bb.get()
 
 
+def _integer_accumulator(bb, idiom: ConvIdiom, real, centred: bool = True):
+    """Quantize the float model input, then ``idiom``'s int32 accumulator on it: a conv2d (HWIO) or, for
+    op="fc", a matmul with [IC, OC] weights, the input zero point subtracted if ``centred``, bias added."""
+    x = bb.emit(relax.op.quantize(real, f32(idiom.input_scale), i32(idiom.input_zero_point), axis=0,
+                                  out_dtype="int8"))
+    wide = bb.emit(relax.op.astype(x, "int32"))
+    if centred:
+        wide = bb.emit(relax.op.subtract(wide, i32(idiom.input_zero_point)))
+    if idiom.op == "fc":
+        w = bb.emit(relax.op.astype(relax.const(np.ascontiguousarray(idiom.weights.T)), "int32"))
+        acc = bb.emit(relax.op.matmul(wide, w, out_dtype="int32"))
+    else:
+        w = bb.emit(relax.op.astype(relax.const(idiom.weights), "int32"))
+        acc = bb.emit(relax.op.nn.conv2d(wide, w, strides=idiom.strides, padding=idiom.padding,
+                                         dilation=idiom.dilation, data_layout="NHWC", kernel_layout="HWIO",
+                                         out_dtype="int32"))
+    return bb.emit(relax.op.add(acc, i32(idiom.bias_values))) if idiom.bias else acc
+
+
 def integer_conv_module(idiom: ConvIdiom, centred: bool = True, requantize_with_clip: bool = False):
     """The same convolution as ``idiom`` in the integer domain (the old qnn.conv2d -> requantize).
 
@@ -177,17 +196,7 @@ def integer_conv_module(idiom: ConvIdiom, centred: bool = True, requantize_with_
     real = relax.Var("real", relax.TensorType(idiom.x_shape, "float32"))
     with bb.function("main", [real]):
         with bb.dataflow():
-            x = bb.emit(relax.op.quantize(real, f32(idiom.input_scale), i32(idiom.input_zero_point), axis=0,
-                                          out_dtype="int8"))
-            wide = bb.emit(relax.op.astype(x, "int32"))
-            if centred:
-                wide = bb.emit(relax.op.subtract(wide, i32(idiom.input_zero_point)))
-            w = bb.emit(relax.op.astype(relax.const(idiom.weights), "int32"))
-            acc = bb.emit(relax.op.nn.conv2d(wide, w, strides=idiom.strides, padding=idiom.padding,
-                                             dilation=idiom.dilation, data_layout="NHWC", kernel_layout="HWIO",
-                                             out_dtype="int32"))
-            if idiom.bias:
-                acc = bb.emit(relax.op.add(acc, i32(idiom.bias_values)))
+            acc = _integer_accumulator(bb, idiom, real, centred)
             acc_scale = np.float32(idiom.input_scale) * idiom.weight_scales
             real_acc = bb.emit(relax.op.dequantize(acc, f32(acc_scale if idiom.per_channel else acc_scale[0]),
                                                    i32(0), axis=3))
@@ -237,13 +246,7 @@ def integer_fc_module(idiom: ConvIdiom):
     real = relax.Var("real", relax.TensorType(idiom.x_shape, "float32"))
     with bb.function("main", [real]):
         with bb.dataflow():
-            x = bb.emit(relax.op.quantize(real, f32(idiom.input_scale), i32(idiom.input_zero_point), axis=0,
-                                          out_dtype="int8"))
-            wide = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), i32(idiom.input_zero_point)))
-            w = relax.op.astype(relax.const(np.ascontiguousarray(idiom.weights.T)), "int32")
-            acc = bb.emit(relax.op.matmul(wide, w, out_dtype="int32"))
-            if idiom.bias:
-                acc = bb.emit(relax.op.add(acc, i32(idiom.bias_values)))
+            acc = _integer_accumulator(bb, idiom, real)
             acc_scale = np.float32(idiom.input_scale) * idiom.weight_scales
             real_acc = bb.emit(relax.op.dequantize(acc, f32(acc_scale if idiom.per_channel else acc_scale[0]),
                                                    i32(0), axis=1))
@@ -270,18 +273,7 @@ def fixed_point_conv_module(idiom: ConvIdiom, multipliers=None, shifts=None):
     real = relax.Var("real", relax.TensorType(idiom.x_shape, "float32"))
     with bb.function("main", [real]):
         with bb.dataflow():
-            x = bb.emit(relax.op.quantize(real, f32(idiom.input_scale), i32(idiom.input_zero_point), axis=0,
-                                          out_dtype="int8"))
-            wide = bb.emit(relax.op.subtract(relax.op.astype(x, "int32"), i32(idiom.input_zero_point)))
-            if idiom.op == "fc":  # weights [OC, IC] -> the matmul's [IC, OC]
-                w = relax.op.astype(relax.const(np.ascontiguousarray(idiom.weights.T)), "int32")
-                acc = bb.emit(relax.op.matmul(wide, w, out_dtype="int32"))
-            else:
-                acc = bb.emit(relax.op.nn.conv2d(wide, relax.op.astype(relax.const(idiom.weights), "int32"),
-                                                 strides=idiom.strides, padding=idiom.padding,
-                                                 dilation=idiom.dilation, data_layout="NHWC", kernel_layout="HWIO",
-                                                 out_dtype="int32"))
-            acc = bb.emit(relax.op.add(acc, i32(idiom.bias_values)))
+            acc = _integer_accumulator(bb, idiom, real)
             i64 = lambda v: relax.const(np.array(v, dtype=np.int64), "int64")  # noqa: E731
             product = bb.emit(relax.op.multiply(relax.op.astype(acc, "int64"), i64(multipliers)))
             shifted = bb.emit(relax.op.right_shift(relax.op.add(product, i64(np.int64(1) << (right - 1))),
