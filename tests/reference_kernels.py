@@ -119,8 +119,10 @@ def quantize_multiplier(real: float) -> tuple[int, int]:
     return q_fixed, shift
 
 
-def add(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
-    """TFLite reference int8 ADD, element by element, parameters prepared as in add.cc."""
+def _add_or_sub(sign: int, x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
+    """TFLite reference int8 ADD (sign 1) or SUB (sign -1), element by element. SUB prepares exactly as ADD
+    (sub.cc PrepareGeneralSubOp, add.cc Prepare) and subtracts the rescaled inputs (reference/sub.h).
+    Scales are float32 values."""
     left_shift = 20
     twice_max = 2.0 * max(s1, s2)
     m1, sh1 = quantize_multiplier(s1 / twice_max)
@@ -130,9 +132,17 @@ def add(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
     for a, b in zip(x1, x2):
         a_scaled = multiply_by_quantized_multiplier((a - zp1) * (1 << left_shift), m1, sh1)
         b_scaled = multiply_by_quantized_multiplier((b - zp2) * (1 << left_shift), m2, sh2)
-        value = multiply_by_quantized_multiplier(a_scaled + b_scaled, mo, sho) + zp_out
+        value = multiply_by_quantized_multiplier(a_scaled + sign * b_scaled, mo, sho) + zp_out
         out.append(min(max(value, act[0]), act[1]))
     return out
+
+
+def add(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
+    return _add_or_sub(1, x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act)
+
+
+def sub(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
+    return _add_or_sub(-1, x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act)
 
 
 def mean_hw(x, s_in, zp_in, s_out, zp_out):
@@ -199,22 +209,6 @@ def _float32(value: float) -> float:
 
 def _clamp(value: int, act) -> int:
     return min(max(value, act[0]), act[1])
-
-
-def sub(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
-    """TFLite reference int8 SUB, element by element: ADD's preparation (sub.cc PrepareGeneralSubOp), then
-    ``raw_sub = scaled1 - scaled2`` (reference/sub.h SubElementwise). Scales are float32 values."""
-    left_shift = 20
-    twice_max = 2.0 * max(s1, s2)
-    m1, sh1 = quantize_multiplier(s1 / twice_max)
-    m2, sh2 = quantize_multiplier(s2 / twice_max)
-    mo, sho = quantize_multiplier(twice_max / ((1 << left_shift) * s_out))
-    out = []
-    for a, b in zip(x1, x2):
-        a_scaled = multiply_by_quantized_multiplier((a - zp1) * (1 << left_shift), m1, sh1)
-        b_scaled = multiply_by_quantized_multiplier((b - zp2) * (1 << left_shift), m2, sh2)
-        out.append(_clamp(multiply_by_quantized_multiplier(a_scaled - b_scaled, mo, sho) + zp_out, act))
-    return out
 
 
 def mul(x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):

@@ -207,7 +207,7 @@ def test_transparent_composites_carry_the_qparams_the_dataflow_analysis_finds():
     """int8 max pool -> pad -> reshape between a quantize and a dequantize: none states qparams itself; each
     composite carries the (scale, zero point) of its tensor, found forwards from the quantize."""
     from relax_idioms import f32, i32
-    from npu_backend.patterns import PREFIX
+    from test_patterns import composite_attrs
 
     bb = relax.BlockBuilder()
     real = relax.Var("real", relax.TensorType((1, 8, 8, 4), "float32"))
@@ -220,17 +220,9 @@ def test_transparent_composites_carry_the_qparams_the_dataflow_analysis_finds():
             gv = bb.emit_output(relax.op.dequantize(flat, f32(0.125), i32(-3), axis=0))
         bb.emit_func_output(gv)
     mod = npu_backend.partition_for_npu(bb.get())
-    found = {}
-    for func in mod.functions.values():
-        if func.attrs is not None and func.attrs.get("Codegen") == PREFIX:
-            for block in func.body.blocks:
-                for binding in block.bindings:
-                    if isinstance(binding.value, relax.Function):
-                        attrs = binding.value.attrs
-                        found[str(attrs["Composite"])] = (float(attrs["npu.input_scale"].value),
-                                                          int(attrs["npu.input_zero_point"]),
-                                                          float(attrs["npu.output_scale"].value),
-                                                          int(attrs["npu.output_zero_point"]))
+    found = {name: (float(attrs["npu.input_scale"].value), int(attrs["npu.input_zero_point"]),
+                    float(attrs["npu.output_scale"].value), int(attrs["npu.output_zero_point"]))
+             for name, attrs in composite_attrs(mod)}
     assert found == {name: (0.125, -3, 0.125, -3) for name in ("npu.max_pool2d", "npu.pad", "npu.reshape")}
     (pool,) = [p for name, p in composites(mod) if name == "npu.max_pool2d"]
     assert (pool.input_scale, pool.output_zero_point) == (0.125, -3)  # the record itself holds them

@@ -11,17 +11,21 @@ from npu_backend.patterns import PREFIX, registered_patterns
 from relax_idioms import ConvIdiom
 
 
-def composites(mod):
-    """[(composite name, ConvParams)] of every NPU composite, in region order."""
+def composite_attrs(mod):
+    """[(composite name, its attributes)] of every NPU composite, in region order."""
     found = []
     for func in mod.functions.values():
         if func.attrs is not None and func.attrs.get("Codegen") == PREFIX:
             for block in func.body.blocks:
                 for binding in block.bindings:
                     if isinstance(binding.value, relax.Function):
-                        attrs = binding.value.attrs
-                        found.append((str(attrs["Composite"]), from_attrs(attrs)))
+                        found.append((str(binding.value.attrs["Composite"]), binding.value.attrs))
     return found
+
+
+def composites(mod):
+    """[(composite name, its params record)] of every NPU composite, in region order."""
+    return [(name, from_attrs(attrs)) for name, attrs in composite_attrs(mod)]
 
 
 def partition(idiom: ConvIdiom):
