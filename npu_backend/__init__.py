@@ -16,23 +16,26 @@ from __future__ import annotations
 import tvm
 from tvm import relax
 
-from simulator.config import DEFAULT_PRESET, PRESETS, NpuConfig, get_config
+from simulator.config import DEFAULT_PRESET, PRESETS, NpuConfig, get_config, load_config, register_preset
 
 from . import codegen
-from .errors import ModelImportError, NpuError, QParamError, UnsupportedOpError
+from .errors import InternalError, ModelImportError, NpuError, QParamError, UnsupportedOpError
 from .frontend import load_model, load_onnx, load_tflite
+from .ops import OPS
 from .partition import partition_for_npu
 from .patterns import register_table
 from .profiling import Profile, profile
 from .report import PartitionReport, partition_report
 
-register_table()
+register_table(OPS)
+codegen.register_codegen()
 
 
-def build(mod: tvm.IRModule, target: str = "llvm", preset: str = DEFAULT_PRESET):
+def build(mod: tvm.IRModule, target: str = "llvm", preset: NpuConfig | str = DEFAULT_PRESET):
     """Partition, generate NPU command streams and build the host part in one step.
 
-    Equivalent to ``tvm.compile(RunCodegen()(partition_for_npu(mod, preset)), target)``.
+    Equivalent to ``tvm.compile(RunCodegen()(partition_for_npu(mod, preset)), target)``; ``preset`` is an
+    ``NpuConfig``, a preset name or a configuration file.
     """
     partitioned = partition_for_npu(mod, preset)
     return tvm.compile(relax.transform.RunCodegen()(partitioned), target=target)
@@ -40,6 +43,6 @@ def build(mod: tvm.IRModule, target: str = "llvm", preset: str = DEFAULT_PRESET)
 
 __all__ = [
     "build", "partition_for_npu", "partition_report", "PartitionReport", "profile", "Profile",
-    "load_tflite", "load_onnx", "load_model", "codegen", "NpuError", "ModelImportError", "QParamError", "UnsupportedOpError",
-    "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config",
+    "load_tflite", "load_onnx", "load_model", "codegen", "NpuError", "InternalError", "ModelImportError", "QParamError",
+    "UnsupportedOpError", "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config", "load_config", "register_preset",
 ]

@@ -43,6 +43,7 @@ from tvm.relax.dpl.rewrite import rewrite_call
 from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .layout import convert_to_nhwc
+from .patterns.builders import integer_accumulator
 from .relax_exprs import is_call
 from .qparams import TensorQParams, infer_qparams, per_tensor_qparams
 
@@ -52,21 +53,11 @@ def _const_array(expr) -> np.ndarray | None:
 
 
 def _integer_conv_pattern():
-    x = wildcard()
-    widened = is_op("relax.astype")(x)
-    input_zp = is_const()
-    centred = is_op("relax.subtract")(widened, input_zp)
-    weight = is_const()
-    data, kernel = centred | widened, is_op("relax.astype")(weight) | weight
-    conv = is_op("relax.nn.conv2d")(data, kernel) | is_op("relax.matmul")(data, kernel)
-    bias = is_const()
-    biased = is_op("relax.add")(conv, bias)
+    acc, names = integer_accumulator(("relax.nn.conv2d", "relax.matmul"))
     acc_scale, acc_zp = is_const(), is_const()
-    dequantized = is_op("relax.dequantize")(biased | conv, acc_scale, acc_zp)
+    dequantized = is_op("relax.dequantize")(acc, acc_scale, acc_zp)
     root = is_op("relax.quantize")(dequantized, is_const(), is_const())
-    names = dict(x=x, input_zp=input_zp, centred=centred, weight=weight, conv=conv, bias=bias, biased=biased,
-                 acc_scale=acc_scale, acc_zp=acc_zp)
-    return root, names
+    return root, dict(names, acc_scale=acc_scale, acc_zp=acc_zp)
 
 
 def _f32(values) -> relax.Expr:
@@ -84,7 +75,7 @@ def _rewrite_integer_conv(graph: "_GraphFacts"):
     def rewriter(orig, matched):
         get = lambda name: matched.get(names[name])  # noqa: E731
         # The matcher sees through bindings: x may be the producer's value; refer to its variable.
-        x, conv = graph.var(get("x")), get("conv")
+        x, conv = graph.var(get("input")), get("anchor")
         qp: TensorQParams | None = graph.known.get(x)
         weights = _const_array(get("weight"))
         acc_scale, acc_zp = _const_array(get("acc_scale")), _const_array(get("acc_zp"))

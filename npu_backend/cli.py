@@ -44,13 +44,14 @@ def _read_stream(path: str):
 
 
 def cmd_inspect(args) -> int:
-    from simulator.config import get_config
     from simulator.validate import validate_stream
 
     stream = _read_stream(args.stream)
-    validate_stream(stream, get_config(stream.config))
-    print(f"stream {stream.name}: format {stream.version[0]}.{stream.version[1]}, preset {stream.config}, "
-          f"{len(stream.buffers)} buffers, {len(stream.commands)} commands (valid)")
+    validate_stream(stream, stream.config)
+    print(f"stream {stream.name}: format {stream.version[0]}.{stream.version[1]}, hardware {stream.config.name} "
+          f"(fingerprint {stream.config.fingerprint}), {len(stream.buffers)} buffers, {len(stream.commands)} "
+          f"commands (valid)")
+    print("  " + ", ".join(f"{k}={v}" for k, v in stream.config.values().items()))
     for i, buf in enumerate(stream.buffers):
         print(f"  buffer {i:<3} {buf.kind.name:<8} {buf.name:<40} {buf.dtype}{list(buf.shape)} {buf.size} B")
     for i, cmd in enumerate(stream.commands):
@@ -212,13 +213,17 @@ def cmd_run(args) -> int:
     return 0 if mismatched == 0 else 1
 
 
+PRESET_HELP = ("hardware: a preset name (" + ", ".join(sorted(PRESETS)) + ") or a .toml/.json configuration file "
+               "of NpuConfig fields ('base' names a preset to inherit from)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="npu", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="compile a .tflite or .onnx model, run it (NPU regions on the simulator), "
                                      "compare with its reference runtime")
     run.add_argument("model")
-    run.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    run.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
     run.add_argument("--seed", type=int, default=0, help="seed of the random input")
     run.add_argument("--input", action="append", help="input .npy, one per model input, in order")
     run.add_argument("--no-reference", action="store_true", help="do not compare with the reference runtime")
@@ -226,11 +231,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="write one .npucmd command stream per NPU region")
     comp.add_argument("model")
     comp.add_argument("-o", "--output", required=True, help="output directory")
-    comp.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    comp.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
     comp.set_defaults(func=cmd_compile)
     part = sub.add_parser("partition", help="show where every operator runs (NPU or host) and why")
     part.add_argument("model")
-    part.add_argument("--preset", default=DEFAULT_PRESET, choices=sorted(PRESETS))
+    part.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
     part.add_argument("--json", action="store_true", help="machine-readable report")
     for command in (run, comp, part):
         command.add_argument("--reference", default="auto", choices=["auto", "tflite", "onnxruntime"],

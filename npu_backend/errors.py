@@ -15,5 +15,9 @@ class QParamError(NpuError):
     """Quantization parameters that are missing, inconsistent or out of range."""
 
 
-__all__ = ["NpuError", "ConfigError", "NumericsError", "StreamError", "ModelImportError",
+class InternalError(NpuError):
+    """A bug in npu_backend (an unforeseen case reached code that assumed otherwise): please report it."""
+
+
+__all__ = ["InternalError", "NpuError", "ConfigError", "NumericsError", "StreamError", "ModelImportError",
            "UnsupportedOpError", "QParamError"]

@@ -24,17 +24,11 @@ from tvm import relax
 from tvm.ir.expr import Constant
 
 from .qparams import per_tensor_qparams
+from .relax_ops import ELEMENTWISE_OPS
 from .relax_exprs import is_call, static_shape
 
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
-
-AGNOSTIC_OPS = frozenset({
-    "relax.quantize", "relax.dequantize", "relax.sigmoid", "relax.tanh", "relax.nn.relu", "relax.clip",
-    "relax.nn.leakyrelu", "relax.exp", "relax.add", "relax.subtract", "relax.multiply", "relax.maximum",
-    "relax.minimum",
-})
-"""Operators computed element by element: the same in any layout, once operands are consistently laid out."""
 
 
 class _NhwcRewriter:
@@ -190,7 +184,7 @@ class _NhwcRewriter:
             rule = self.rules.get(value.op.name)
             if rule is not None and len(static_shape(var) or ()) == 4:
                 twin = rule(value)
-            elif value.op.name in AGNOSTIC_OPS:
+            elif value.op.name in ELEMENTWISE_OPS:
                 twin = self._agnostic(var, value)
         if twin is not None:
             self.twins[var] = self.bb.emit(twin, name_hint=var.name)

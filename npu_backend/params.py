@@ -273,33 +273,6 @@ addend of a binary op and the third input of a concat; no pattern has both)."""
 NpuParams = (ConvParams | ElementwiseParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
              | PadParams | SoftmaxParams | TransposeParams | SliceParams)
 
-RECORD_OF_OP = {
-    NpuOp.CONV2D: ConvParams,
-    NpuOp.DEPTHWISE_CONV2D: ConvParams,
-    NpuOp.FULLY_CONNECTED: ConvParams,
-    NpuOp.ADD: ElementwiseParams,
-    NpuOp.MEAN: MeanParams,
-    NpuOp.MAX_POOL2D: PoolParams,
-    NpuOp.AVG_POOL2D: PoolParams,
-    NpuOp.RESHAPE: ReshapeParams,
-    NpuOp.SIGMOID: LutParams,
-    NpuOp.TANH: LutParams,
-    NpuOp.REQUANTIZE: LutParams,
-    NpuOp.CONCAT: ConcatParams,
-    NpuOp.PAD: PadParams,
-    NpuOp.LEAKY_RELU: LutParams,
-    NpuOp.HARD_SWISH: LutParams,
-    NpuOp.SUBTRACT: ElementwiseParams,
-    NpuOp.MULTIPLY: ElementwiseParams,
-    NpuOp.SOFTMAX: SoftmaxParams,
-    NpuOp.TRANSPOSE: TransposeParams,
-    NpuOp.EXP: LutParams,
-    NpuOp.STRIDED_SLICE: SliceParams,
-    NpuOp.GELU: LutParams,
-    NpuOp.GELU_TANH: LutParams,
-}
-
-
 def to_attrs_value(value):
     """One field value as an attribute (float32 scales stay exact)."""
     if isinstance(value, np.ndarray):
@@ -332,8 +305,8 @@ def _decode(kind, raw):
     return tuple(int(v) for v in raw)
 
 
-def from_attrs(attrs) -> NpuParams:
-    """Rebuild the record of a composite function from its attributes."""
-    cls = RECORD_OF_OP[NpuOp[str(attrs["npu.op"])]]
+def from_attrs(attrs, cls: type) -> NpuParams:
+    """Rebuild a record of type ``cls`` from a composite function's attributes
+    (:func:`npu_backend.ops.decode_composite` knows which type each operator's record has)."""
     hints = get_type_hints(cls)
     return cls(**{f.name: _decode(hints[f.name], attrs[f"npu.{f.name}"]) for f in fields(cls)})

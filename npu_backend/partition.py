@@ -3,36 +3,38 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.ir.expr import Constant
 
-from simulator.config import DEFAULT_PRESET, get_config
+from simulator.config import DEFAULT_PRESET, NpuConfig, resolve_config
 
 from .canonicalize import canonicalize
 from .codegen.lower import CONFIG_ATTR
+from .errors import InternalError, NpuError
+from .ops import composite_def
 from .params import OPERAND_ROLES, OPERANDS_ATTR, to_attrs, to_attrs_value
-from .qparams import TensorQParams, infer_qparams
-from .patterns import ENTRIES_BY_NAME, PREFIX, PartitionContext, registered_patterns
+from .patterns import PREFIX, PartitionContext, registered_patterns
 from .patterns.table import ACTIVE_CONTEXT, extract_params
+from .qparams import TensorQParams, infer_qparams
 from .reference import Reference, resolve_reference
-from .errors import NpuError
 from .report import REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings, unmatched_reason
 
 
 def _match_annotations(name: str, func: relax.Function):
-    """Re-match the composite's patterns on its body: (entry, named sub-expressions)."""
+    """Re-match the composite's patterns on its body: (idiom, named sub-expressions)."""
     var2val = relax.analysis.get_var2val(func)
     root = var2val.get(func.body.body, func.body.body)
-    for entry in ENTRIES_BY_NAME[name]:
-        for with_clip in (True, False) if entry.clip_variant else (False,):
-            pattern, annotations = entry.build(with_clip)
+    for idiom in composite_def(name).idioms:
+        for with_clip in (True, False) if idiom.fused_clip else (False,):
+            pattern, annotations = idiom.build(with_clip)
             matched = pattern.extract_matched_expr(root, var2val)
             if matched is not None:
-                return entry, {key: matched[p] for key, p in annotations.items() if p in matched}
-    raise RuntimeError(f"internal error: composite {name} no longer matches its own pattern")
+                return idiom, {key: matched[p] for key, p in annotations.items() if p in matched}
+    raise InternalError(f"composite {name} no longer matches its own pattern")
 
 
 SOURCE_ATTR = "npu.source_vars"
@@ -74,7 +76,7 @@ def _operand_order(func: relax.Function, annotations: dict) -> list[int]:
     operands = [annotations[role] for role in OPERAND_ROLES if role in annotations]
     variables = [op for op in operands if not isinstance(op, Constant)]
     if any(op not in index for op in variables) or len(set(variables)) != len(func.params):
-        raise RuntimeError(f"internal error: operands of {func.attrs['Composite']} are not its parameters")
+        raise InternalError(f"operands of {func.attrs['Composite']} are not its parameters")
     return [-1 if isinstance(op, Constant) else index[op] for op in operands]
 
 
@@ -96,19 +98,19 @@ def _transparent_qparams(params, qp: TensorQParams | None) -> tuple:
     return params, {f"npu.{k}": to_attrs_value(v) for k, v in values.items()}
 
 
-def _role_qparams(entry, func: relax.Function, annotations: dict, site, output: str | None,
+def _role_qparams(idiom, func: relax.Function, annotations: dict, site, output: str | None,
                   tensor_qparams: dict) -> dict:
     """Dataflow qparams of the tensors an entry asks for: a composite parameter is its call's argument,
     and its result the last original binding it absorbed (the call's own variable is renamed)."""
-    if not entry.qparam_roles or site is None:
+    if not idiom.qparam_roles or site is None:
         return {}
     names = {"output": output}
-    for role in entry.qparam_roles:
+    for role in idiom.qparam_roles:
         expr = annotations.get(role)
         if any(expr is p or expr.same_as(p) for p in func.params):
             arg = site.value.args[[p.same_as(expr) for p in func.params].index(True)]
             names[role] = arg.name if isinstance(arg, relax.Var) else None
-    return {role: tensor_qparams.get(names.get(role)) for role in entry.qparam_roles}
+    return {role: tensor_qparams.get(names.get(role)) for role in idiom.qparam_roles}
 
 
 def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference: Reference) -> tvm.IRModule:
@@ -126,10 +128,10 @@ def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference:
         name = str(func.attrs["Composite"]) if func.attrs and "Composite" in func.attrs else ""
         if not name.startswith(PREFIX + "."):
             continue
-        entry, annotations = _match_annotations(name, func)
+        idiom, annotations = _match_annotations(name, func)
         absorbed = sources.get(gvar, [])
-        params = extract_params(entry, annotations, reference,
-                                _role_qparams(entry, func, annotations, call_sites.get(gvar),
+        params = extract_params(idiom, annotations, reference,
+                                _role_qparams(idiom, func, annotations, call_sites.get(gvar),
                                               absorbed[-1] if absorbed else None, tensor_qparams))
         params, extra = _transparent_qparams(params, tensor_qparams.get(absorbed[-1]) if absorbed else None)
         mod[gvar] = func.with_attrs({**to_attrs(params), **extra, SOURCE_ATTR: absorbed,
@@ -137,18 +139,19 @@ def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference:
     return mod
 
 
-def _name_regions(mod: tvm.IRModule, preset: str) -> tvm.IRModule:
-    """Give each NPU region a content-derived ``global_symbol`` and record its preset.
+def _name_regions(mod: tvm.IRModule, config: NpuConfig) -> tvm.IRModule:
+    """Give each NPU region a content-derived ``global_symbol`` and record its hardware configuration.
 
     The symbol names the command stream at run time; deriving it from the
-    region's structure (constants included) and the preset means two models
-    compiled in one process can never run each other's streams.
+    region's structure (constants included) and the configuration's numbers
+    means two models compiled in one process can never run each other's streams.
     """
+    label = re.sub(r"\W", "_", config.name)
     for gvar, func in list(mod.functions_items()):
         if func.attrs is not None and func.attrs.get("Codegen") == PREFIX:
-            func = func.with_attr(CONFIG_ATTR, preset)
+            func = func.with_attr(CONFIG_ATTR, config.to_json())
             digest = tvm_ffi.structural_hash(func) & (2**64 - 1)
-            mod[gvar] = func.with_attr("global_symbol", f"npu_{preset.replace('-', '_')}_{digest:016x}")
+            mod[gvar] = func.with_attr("global_symbol", f"npu_{label}_{digest:016x}")
     return mod
 
 
@@ -184,15 +187,17 @@ def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: 
     return PartitionReport(context.config.name, tuple(rows))
 
 
-def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET, reference: str = "auto") -> tvm.IRModule:
+def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESET,
+                      reference: str = "auto") -> tvm.IRModule:
     """Split a quantized Relax module into NPU regions (``Codegen="npu"``) and host code.
 
     Parameters
     ----------
     mod : tvm.IRModule
         A module as TVM's importers produce it (e.g. ``from_tflite``), entry ``main``.
-    preset : str
-        Hardware preset whose limits the pattern checks apply (see ``simulator.PRESETS``).
+    preset : NpuConfig or str
+        The hardware whose limits the pattern checks apply: an ``NpuConfig``, a preset name (see
+        ``simulator.PRESETS``) or the path of a ``.toml`` / ``.json`` configuration file.
     reference : str
         Whose integer results to reproduce: ``"tflite"`` (fixed-point requantization, round half
         away from zero), ``"onnxruntime"`` (its float32 QDQ execution, round half to even), or ``"auto"``: the
@@ -210,7 +215,7 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET, reference
         ``relax.transform.RunCodegen()`` then ``tvm.compile``, or use
         :func:`npu_backend.build` which does both.
     """
-    config = get_config(preset)
+    config = resolve_config(preset)
     if not isinstance(mod, tvm.IRModule) or "main" not in mod:
         raise NpuError("partition_for_npu needs an IRModule with a 'main' function")
     original = relax.transform.ConvertToDataflow()(canonicalize(mod))
@@ -224,6 +229,6 @@ def partition_for_npu(mod: tvm.IRModule, preset: str = DEFAULT_PRESET, reference
         ACTIVE_CONTEXT.reset(token)
     fused = _annotate_composites(original["main"], fused, context.reference)
     merged = relax.transform.MergeCompositeFunctions()(fused)
-    partitioned = _name_regions(merged, config.name)
+    partitioned = _name_regions(merged, config)
     report = _build_report(original["main"], partitioned, context)
     return partitioned.with_attr(REPORT_ATTR, report.to_json())

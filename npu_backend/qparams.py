@@ -16,12 +16,7 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 
-TRANSPARENT_OPS = frozenset({
-    "relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.permute_dims", "relax.clip",
-    "relax.nn.max_pool2d", "relax.strided_slice", "relax.nn.pad",
-})
-"""Operators whose int8 output has their int8 input's qparams (TFLite requires equal qparams)."""
-
+from .relax_ops import QPARAM_TRANSPARENT_OPS
 
 @dataclass(frozen=True)
 class TensorQParams:
@@ -66,7 +61,7 @@ def infer_qparams(func: relax.Function) -> dict[relax.Var, TensorQParams]:
                 changed |= learn(var, per_tensor_qparams(call))
             elif op == "relax.dequantize":
                 changed |= learn(call.args[0], per_tensor_qparams(call))
-            elif op in TRANSPARENT_OPS and call.args and _is_int8(call.args[0]):
+            elif op in QPARAM_TRANSPARENT_OPS and call.args and _is_int8(call.args[0]):
                 changed |= learn(var, known.get(call.args[0]))
                 changed |= learn(call.args[0], known.get(var))
     return known

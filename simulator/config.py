@@ -1,12 +1,19 @@
 """Hardware configuration: the one place that states what the NPU is.
 
-The compiler plans against it and the simulator executes and times against it,
-so a stream compiled for one preset cannot silently be timed as another.
+The compiler plans against it, the simulator executes and times against it,
+and every command stream carries its numbers (not only a name): a stream runs
+only on hardware whose values equal the ones it was compiled for, whatever the
+configurations are called. Presets are named values; more can be registered
+or loaded from a TOML or JSON file.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 from .errors import ConfigError
 
@@ -18,7 +25,7 @@ class NpuConfig:
     Attributes
     ----------
     name : str
-        Preset name recorded in every command stream compiled for it.
+        A label for reports; two configurations with the same numbers are the same hardware.
     mac_rows : int
         Output channels the MAC array computes in parallel.
     mac_cols : int
@@ -47,6 +54,10 @@ class NpuConfig:
         Largest pooling window side the pooling unit accepts.
     clock_mhz : int
         Clock used to turn cycles into time in reports.
+    sram_align : int
+        Alignment (bytes, a power of two) the compiler gives every SRAM region.
+    lut_entries : int
+        Entries of the output stage's look-up table; int8 activations need 256.
     """
 
     name: str
@@ -64,19 +75,77 @@ class NpuConfig:
     max_dilation: int
     max_pool_kernel: int
     clock_mhz: int
+    sram_align: int = 16
+    lut_entries: int = 256
 
     def __post_init__(self):
+        if not isinstance(self.name, str) or not self.name:
+            raise ConfigError("an NPU configuration needs a non-empty name")
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{self.name}: {f.name} must be an integer, got {value!r}")
+            if f.type == "float":
+                if isinstance(value, bool) or not isinstance(value, (int, float)):
+                    raise ConfigError(f"{self.name}: {f.name} must be a number, got {value!r}")
+                object.__setattr__(self, f.name, float(value))
         positive = ("mac_rows", "mac_cols", "sram_bytes", "dram_bytes", "output_lanes", "max_kernel",
-                    "max_stride", "max_dilation", "max_pool_kernel", "clock_mhz")
+                    "max_stride", "max_dilation", "max_pool_kernel", "clock_mhz", "sram_align", "lut_entries")
         for field_name in positive:
             if getattr(self, field_name) <= 0:
                 raise ConfigError(f"{self.name}: {field_name} must be positive")
-        if self.dram_bytes_per_cycle <= 0:
-            raise ConfigError(f"{self.name}: dram_bytes_per_cycle must be positive")
+        if not self.dram_bytes_per_cycle > 0 or self.dram_bytes_per_cycle == float("inf"):
+            raise ConfigError(f"{self.name}: dram_bytes_per_cycle must be positive and finite")
         if self.dram_latency_cycles < 0 or self.command_overhead_cycles < 0:
             raise ConfigError(f"{self.name}: latencies cannot be negative")
         if not 16 <= self.accumulator_bits <= 64:
             raise ConfigError(f"{self.name}: accumulator_bits must be in [16, 64]")
+        if self.sram_align & (self.sram_align - 1):
+            raise ConfigError(f"{self.name}: sram_align {self.sram_align} is not a power of two")
+        if self.sram_bytes % self.sram_align:
+            raise ConfigError(f"{self.name}: sram_bytes {self.sram_bytes} is not a multiple of sram_align")
+
+    def values(self) -> dict[str, int | float]:
+        """Every hardware number, by field name (the name excluded: it is a label)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
+
+    @property
+    def fingerprint(self) -> str:
+        """16 hex digits of SHA-256 over the numbers: equal exactly when the hardware is."""
+        canonical = json.dumps(self.values(), sort_keys=True)
+        return hashlib.sha256(canonical.encode()).hexdigest()[:16]
+
+    def differences(self, other: "NpuConfig") -> list[str]:
+        """``field: mine != theirs`` for each number that differs (empty when the hardware is the same)."""
+        theirs = other.values()
+        return [f"{k}: {v} != {theirs[k]}" for k, v in self.values().items() if v != theirs[k]]
+
+    def to_json(self) -> str:
+        return json.dumps({"name": self.name, **self.values()}, sort_keys=True)
+
+    @classmethod
+    def from_mapping(cls, values: dict, where: str = "configuration") -> "NpuConfig":
+        """Build from a mapping of field names; ``base`` names a preset whose other values it inherits."""
+        values = dict(values)
+        base = values.pop("base", None)
+        if base is not None:
+            values = {**dataclasses.asdict(get_config(str(base))), **values}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in values and f.default is dataclasses.MISSING)
+        if missing:
+            raise ConfigError(f"{where}: missing field(s) {', '.join(missing)} (or name a preset with 'base')")
+        return cls(**values)
+
+    @classmethod
+    def from_json(cls, text: str) -> "NpuConfig":
+        try:
+            return cls.from_mapping(json.loads(text))
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(f"not an NPU configuration: {exc}") from None
 
 
 PRESETS: dict[str, NpuConfig] = {
@@ -96,6 +165,7 @@ PRESETS: dict[str, NpuConfig] = {
                   max_dilation=4, max_pool_kernel=16, clock_mhz=400),
     )
 }
+"""Named configurations; :func:`register_preset` and :func:`load_config` add more."""
 
 DEFAULT_PRESET = "npu-256"
 
@@ -106,3 +176,56 @@ def get_config(name: str = DEFAULT_PRESET) -> NpuConfig:
         return PRESETS[name]
     except KeyError:
         raise ConfigError(f"unknown NPU preset {name!r}; known: {', '.join(sorted(PRESETS))}") from None
+
+
+def register_preset(config: NpuConfig) -> NpuConfig:
+    """Make ``config`` known by its name; a name already bound to other numbers is refused."""
+    existing = PRESETS.get(config.name)
+    if existing is not None and existing.fingerprint != config.fingerprint:
+        raise ConfigError(f"preset {config.name!r} already exists with other values: "
+                          f"{'; '.join(existing.differences(config))}")
+    PRESETS[config.name] = config
+    return config
+
+
+def _read_file(path: Path) -> dict:
+    try:
+        if path.suffix == ".json":
+            return json.loads(path.read_text())
+        if path.suffix == ".toml":
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                import tomli as tomllib
+            return tomllib.loads(path.read_text())
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read ({exc.strerror})") from None
+    except ValueError as exc:  # json.JSONDecodeError and tomllib.TOMLDecodeError
+        raise ConfigError(f"{path}: not valid {path.suffix[1:].upper()}: {exc}") from None
+    raise ConfigError(f"{path}: a configuration file must end in .toml or .json")
+
+
+def load_config(path: str | Path, register: bool = True) -> NpuConfig:
+    """Read one configuration from a TOML or JSON file of field names (``base = "npu-256"`` inherits).
+
+    The name defaults to the file's stem; with ``register`` the result is also a preset.
+    """
+    path = Path(path)
+    values = _read_file(path)
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: the file must hold a table of configuration fields")
+    values.setdefault("name", path.stem)
+    config = NpuConfig.from_mapping(values, where=str(path))
+    return register_preset(config) if register else config
+
+
+def resolve_config(config: NpuConfig | str | Path) -> NpuConfig:
+    """An ``NpuConfig`` as given, a preset by name, or a configuration file by path."""
+    if isinstance(config, NpuConfig):
+        return config
+    if isinstance(config, Path) or (isinstance(config, str) and config not in PRESETS
+                                    and config.endswith((".toml", ".json"))):
+        return load_config(config)
+    if isinstance(config, str):
+        return get_config(config)
+    raise ConfigError(f"expected an NpuConfig, a preset name or a configuration file, got {type(config).__name__}")

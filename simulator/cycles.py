@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 
 from .config import NpuConfig
-from .isa import (Command, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction, Softmax,
+from .isa import (Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction, Softmax,
                   TableLookup)
 
 
@@ -26,7 +26,7 @@ class CommandCost:
     dram_write_bytes: int = 0
 
 
-def _dma_cost(opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> CommandCost:
+def dma_cost(opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> CommandCost:
     moved = dma.bytes_moved
     cycles = config.dram_latency_cycles + math.ceil(moved / config.dram_bytes_per_cycle)
     return CommandCost(cycles=cycles,
@@ -40,7 +40,7 @@ def _mac_cost(conv: Convolution, config: NpuConfig, macs: int, array_cycles: int
     return CommandCost(cycles=config.command_overhead_cycles + max(array_cycles, output_cycles), macs=macs)
 
 
-def _conv2d_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+def conv2d_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
     pixels = conv.ofm.height * conv.ofm.width
     taps = conv.kernel[0] * conv.kernel[1]
     macs = pixels * taps * conv.ifm.channels * conv.ofm.channels
@@ -49,26 +49,26 @@ def _conv2d_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> Comman
     return _mac_cost(conv, config, macs, array)
 
 
-def _depthwise_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+def depthwise_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
     pixels = conv.ofm.height * conv.ofm.width
     taps = conv.kernel[0] * conv.kernel[1]
     macs = pixels * taps * conv.ofm.channels
     return _mac_cost(conv, config, macs, pixels * taps * math.ceil(conv.ofm.channels / config.mac_rows))
 
 
-def _fully_connected_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+def fully_connected_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
     batch = conv.ifm.height
     macs = batch * conv.ifm.channels * conv.ofm.channels
     array = batch * math.ceil(conv.ifm.channels / config.mac_cols) * math.ceil(conv.ofm.channels / config.mac_rows)
     return _mac_cost(conv, config, macs, array)
 
 
-def _elementwise_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:
+def elementwise_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:
     """Elementwise unit (ADD, SUB, MUL): two input reads and one output write per element, output_lanes wide."""
     return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
 
 
-def _mean_cost(opcode: Opcode, op: Reduction, config: NpuConfig) -> CommandCost:
+def mean_cost(opcode: Opcode, op: Reduction, config: NpuConfig) -> CommandCost:
     """The accumulators sum mac_rows channels per cycle; the output stage then rescales them."""
     pixels = op.ifm.height * op.ifm.width
     array = pixels * math.ceil(op.ifm.channels / config.mac_rows)
@@ -76,7 +76,7 @@ def _mean_cost(opcode: Opcode, op: Reduction, config: NpuConfig) -> CommandCost:
                        + math.ceil(op.ofm.channels / config.output_lanes))
 
 
-def _pool_cost(opcode: Opcode, op: Pooling, config: NpuConfig) -> CommandCost:
+def pool_cost(opcode: Opcode, op: Pooling, config: NpuConfig) -> CommandCost:
     """The pooling unit compares or adds one window tap of output_lanes channels per cycle."""
     taps = op.kernel_h * op.kernel_w
     pixels = op.ofm.height * op.ofm.width
@@ -84,7 +84,7 @@ def _pool_cost(opcode: Opcode, op: Pooling, config: NpuConfig) -> CommandCost:
                        + pixels * taps * math.ceil(op.ofm.channels / config.output_lanes))
 
 
-def _lut_cost(opcode: Opcode, op: TableLookup, config: NpuConfig) -> CommandCost:
+def lut_cost(opcode: Opcode, op: TableLookup, config: NpuConfig) -> CommandCost:
     """The output stage's table answers output_lanes look-ups per cycle."""
     return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
 
@@ -93,29 +93,9 @@ SOFTMAX_RECIPROCAL_CYCLES = 8
 """Latency of one row's reciprocal of the sum (normalise, three Newton-Raphson steps), not overlapped."""
 
 
-def _softmax_cost(opcode: Opcode, op: Softmax, config: NpuConfig) -> CommandCost:
+def softmax_cost(opcode: Opcode, op: Softmax, config: NpuConfig) -> CommandCost:
     """Three passes over each row, output_lanes channels per cycle: the maximum, exp and the running sum,
     then the rescale by the reciprocal; between the last two the row waits for its reciprocal."""
     rows = op.ifm.height * op.ifm.width
     per_row = 3 * math.ceil(op.ifm.channels / config.output_lanes) + SOFTMAX_RECIPROCAL_CYCLES
     return CommandCost(cycles=config.command_overhead_cycles + rows * per_row)
-
-
-COST_MODELS = {
-    Opcode.DMA_COPY: _dma_cost,
-    Opcode.CONV2D: _conv2d_cost,
-    Opcode.DEPTHWISE_CONV2D: _depthwise_cost,
-    Opcode.FULLY_CONNECTED: _fully_connected_cost,
-    Opcode.ADD: _elementwise_cost,
-    Opcode.MEAN: _mean_cost,
-    Opcode.MAX_POOL2D: _pool_cost,
-    Opcode.AVG_POOL2D: _pool_cost,
-    Opcode.LUT: _lut_cost,
-    Opcode.SUB: _elementwise_cost,
-    Opcode.MUL: _elementwise_cost,
-    Opcode.SOFTMAX: _softmax_cost,
-}
-
-
-def command_cost(command: Command, config: NpuConfig) -> CommandCost:
-    return COST_MODELS[command.opcode](command.opcode, command.payload, config)

@@ -12,15 +12,19 @@ from enum import IntEnum
 
 import numpy as np
 
+from .config import NpuConfig, get_config
+from .errors import StreamError
 from .numerics import Rounding
 
-FORMAT_VERSION = (1, 2)
+FORMAT_VERSION = (1, 3)
 """(major, minor) of the command-stream format; a reader accepts only its own major.
 
 1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
 1.2 added ``Rounding.ONNXRUNTIME`` and the float32 scales it needs, appended to
 Elementwise, Reduction and Pooling (plus Pooling's rounding and zero points);
-their defaults (0) keep 1.0 and 1.1 streams meaning what they meant."""
+their defaults (0) keep 1.0 and 1.1 streams meaning what they meant.
+1.3 added ``CommandStream.hardware``: the configuration's numbers and fingerprint.
+Older streams name only a preset, which the reader looks up."""
 
 
 class Opcode(IntEnum):
@@ -215,7 +219,7 @@ class Pooling:
 
 @dataclass(frozen=True)
 class TableLookup:
-    """Operands of LUT: a 256-entry int8 table indexed by the int8 input."""
+    """Operands of LUT: an int8 table of ``NpuConfig.lut_entries`` entries indexed by the int8 input."""
 
     ifm: FeatureMap
     ofm: FeatureMap
@@ -234,8 +238,6 @@ class Softmax:
     output_zero_point: int = -128   # TFLite int8 softmax output is fixed at scale 1/256, zp -128
 
 
-LUT_ENTRIES = 256
-
 SCALE_BIAS_WORDS = 3
 """int32 words per output channel in the scale/bias table: bias, multiplier, shift."""
 
@@ -252,23 +254,34 @@ class CommandStream:
     """A whole program: what DRAM holds and the commands to run, in order."""
 
     name: str
-    config: str
+    config: NpuConfig
+    """The hardware it was compiled for (a preset name is accepted and looked up)."""
     buffers: tuple[Buffer, ...]
     commands: tuple[Command, ...]
     version: tuple[int, int] = field(default=FORMAT_VERSION)
+
+    def __post_init__(self):
+        if isinstance(self.config, str):
+            object.__setattr__(self, "config", get_config(self.config))
 
     def buffers_of(self, kind: BufferKind) -> list[tuple[int, Buffer]]:
         return [(i, b) for i, b in enumerate(self.buffers) if b.kind == kind]
 
 
+WEIGHT_LAYOUTS = {
+    Opcode.CONV2D: lambda kh, kw, oc, ic: (oc, kh, kw, ic),
+    Opcode.DEPTHWISE_CONV2D: lambda kh, kw, oc, ic: (oc, kh, kw),
+    Opcode.FULLY_CONNECTED: lambda kh, kw, oc, ic: (oc, ic),
+}
+"""SRAM weight layout of each MAC-array opcode (command_stream.fbs); one definition for validator and kernels."""
+
+
 def weight_shape(opcode: Opcode, conv: Convolution) -> tuple[int, ...]:
-    """SRAM weight layout of each MAC-array opcode (one definition for validator and kernels)."""
-    kh, kw = conv.kernel
-    if opcode == Opcode.CONV2D:
-        return (conv.ofm.channels, kh, kw, conv.ifm.channels)
-    if opcode == Opcode.DEPTHWISE_CONV2D:
-        return (conv.ofm.channels, kh, kw)
-    return (conv.ofm.channels, conv.ifm.channels)
+    try:
+        layout = WEIGHT_LAYOUTS[opcode]
+    except KeyError:
+        raise StreamError(f"{opcode.name} is not a MAC-array opcode and has no weights") from None
+    return layout(*conv.kernel, conv.ofm.channels, conv.ifm.channels)
 
 
 def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_before: int,
@@ -276,20 +289,3 @@ def conv_output_size(size: int, kernel: int, stride: int, dilation: int, pad_bef
     """Output extent of a padded, strided, dilated window (0 when the window does not fit)."""
     span = dilation * (kernel - 1) + 1
     return max(0, (size + pad_before + pad_after - span) // stride + 1)
-
-
-PAYLOAD_OF_OPCODE: dict[Opcode, type] = {
-    Opcode.DMA_COPY: DmaCopy,
-    Opcode.CONV2D: Convolution,
-    Opcode.DEPTHWISE_CONV2D: Convolution,
-    Opcode.FULLY_CONNECTED: Convolution,
-    Opcode.ADD: Elementwise,
-    Opcode.MEAN: Reduction,
-    Opcode.MAX_POOL2D: Pooling,
-    Opcode.AVG_POOL2D: Pooling,
-    Opcode.LUT: TableLookup,
-    Opcode.SUB: Elementwise,
-    Opcode.MUL: Elementwise,
-    Opcode.SOFTMAX: Softmax,
-}
-"""The one table saying which payload each opcode carries (encoder, decoder, validator)."""

@@ -22,13 +22,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from . import elementwise
 from .config import NpuConfig
-from .errors import NpuError
-from .isa import (SCALE_BIAS_WORDS, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode,
-                  LUT_ENTRIES, Pooling, Reduction, Softmax, TableLookup, weight_shape)
-from .numerics import (Rounding, elementwise_add, elementwise_mul, elementwise_sub, requantize, requantize_float,
-                       wrap_signed)
-from .onnxruntime_numerics import ort_avg_pool, ort_elementwise, ort_mean
+from .isa import (SCALE_BIAS_WORDS, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode, Pooling,
+                  Reduction, Softmax, TableLookup, weight_shape)
+from .numerics import Rounding, requantize, requantize_float, wrap_signed
+from .onnxruntime_numerics import ort_avg_pool, ort_mean
 from .softmax import softmax
 
 
@@ -77,6 +76,7 @@ def _windows(x: np.ndarray, conv: Convolution):
 
 
 def _accumulate_conv2d(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
+    """CONV2D: every output channel sums over all input channels of every kernel tap."""
     acc = np.zeros((conv.ofm.height, conv.ofm.width, conv.ofm.channels), dtype=np.float64)
     for ky, kx, window in _windows(x, conv):
         acc += window @ weights[:, ky, kx, :].T
@@ -84,6 +84,7 @@ def _accumulate_conv2d(x: np.ndarray, weights: np.ndarray, conv: Convolution) ->
 
 
 def _accumulate_depthwise(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
+    """DEPTHWISE_CONV2D: each channel sums over its own kernel taps only."""
     acc = np.zeros((conv.ofm.height, conv.ofm.width, conv.ofm.channels), dtype=np.float64)
     for ky, kx, window in _windows(x, conv):
         acc += window * weights[:, ky, kx]
@@ -91,25 +92,19 @@ def _accumulate_depthwise(x: np.ndarray, weights: np.ndarray, conv: Convolution)
 
 
 def _accumulate_fully_connected(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
+    """FULLY_CONNECTED: one row of the N x IC input against every output channel's weights."""
     return x @ weights.T
-
-
-ACCUMULATE = {
-    Opcode.CONV2D: _accumulate_conv2d,
-    Opcode.DEPTHWISE_CONV2D: _accumulate_depthwise,
-    Opcode.FULLY_CONNECTED: _accumulate_fully_connected,
-}
 
 
 DOUBLE_SCALE_ROUNDINGS = (Rounding.FLOAT64, Rounding.ONNXRUNTIME)
 """Modes whose scale/bias table holds a float64 scale per channel instead of (multiplier, shift)."""
 
 
-def run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
+def _run_convolution(accumulate, state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
     weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8).astype(np.float64)
     table = _read(state, conv.scale_bias_address, (conv.ofm.channels, SCALE_BIAS_WORDS), np.int32)
     bias = table[:, 0].astype(np.int64)
-    acc = ACCUMULATE[opcode](_padded_input(state, conv), weights, conv).astype(np.int64) + bias
+    acc = accumulate(_padded_input(state, conv), weights, conv).astype(np.int64) + bias
     acc = wrap_signed(acc, config.accumulator_bits)
     if conv.rounding in DOUBLE_SCALE_ROUNDINGS:
         scales = np.ascontiguousarray(table[:, 1:3]).view(np.float64).reshape(-1)
@@ -120,6 +115,21 @@ def run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, conf
     state.sram[conv.ofm.address:conv.ofm.address + conv.ofm.size] = out.reshape(-1).view(np.uint8)
 
 
+def mac_kernel(accumulate):
+    """The kernel of a MAC-array opcode: its accumulation, then the shared output stage."""
+
+    def run(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
+        _run_convolution(accumulate, state, opcode, conv, config)
+
+    run.__doc__ = accumulate.__doc__
+    return run
+
+
+run_conv2d = mac_kernel(_accumulate_conv2d)
+run_depthwise_conv2d = mac_kernel(_accumulate_depthwise)
+run_fully_connected = mac_kernel(_accumulate_fully_connected)
+
+
 def _fmap(state: MachineState, fmap: FeatureMap) -> np.ndarray:
     return _read(state, fmap.address, (fmap.height, fmap.width, fmap.channels), np.int8)
 
@@ -128,40 +138,9 @@ def _write(state: MachineState, fmap: FeatureMap, values: np.ndarray) -> None:
     state.sram[fmap.address:fmap.address + fmap.size] = values.astype(np.int8).reshape(-1).view(np.uint8)
 
 
-RESCALED_BINARY = {Opcode.ADD: elementwise_add, Opcode.SUB: elementwise_sub}
-"""Elementwise opcodes that rescale both inputs to a common scale before combining them."""
-
-
-ORT_BINARY = {Opcode.ADD: np.add, Opcode.SUB: np.subtract, Opcode.MUL: np.multiply}
-"""The float32 operation of each elementwise opcode under ``Rounding.ONNXRUNTIME``."""
-
-
-def run_ort_elementwise(state: MachineState, opcode: Opcode, op: Elementwise) -> None:
-    out = ort_elementwise(ORT_BINARY[opcode], _fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
-                          op.input_scale, op.input_zero_point, op.input2_scale, op.input2_zero_point,
-                          op.output_scale, op.output_zero_point, op.act_min, op.act_max)
-    _write(state, op.ofm, out)
-
-
-def run_add_sub(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
-    if op.rounding == Rounding.ONNXRUNTIME:
-        run_ort_elementwise(state, opcode, op)
-        return
-    out = RESCALED_BINARY[opcode](_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
-                                  op.input_zero_point, op.input2_zero_point, op.output_zero_point,
-                                  op.input_multiplier, op.input_shift, op.input2_multiplier, op.input2_shift,
-                                  op.output_multiplier, op.output_shift, op.left_shift, op.act_min, op.act_max,
-                                  op.rounding)
-    _write(state, op.ofm, out)
-
-
-def run_mul(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
-    if op.rounding == Rounding.ONNXRUNTIME:
-        run_ort_elementwise(state, opcode, op)
-        return
-    out = elementwise_mul(_fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1),
-                          op.input_zero_point, op.input2_zero_point, op.output_zero_point,
-                          op.output_multiplier, op.output_shift, op.act_min, op.act_max, op.rounding)
+def run_elementwise(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
+    """ADD, SUB or MUL of two flat operands, as :mod:`simulator.elementwise` defines each."""
+    out = elementwise.compute(opcode, _fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1), op)
     _write(state, op.ofm, out)
 
 
@@ -225,29 +204,5 @@ def run_avg_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuCo
 
 
 def run_lut(state: MachineState, opcode: Opcode, op: TableLookup, config: NpuConfig) -> None:
-    table = _read(state, op.table_address, (LUT_ENTRIES,), np.int8)
+    table = _read(state, op.table_address, (config.lut_entries,), np.int8)
     _write(state, op.ofm, table[_fmap(state, op.ifm).astype(np.int16) + 128])
-
-
-KERNELS = {
-    Opcode.DMA_COPY: run_dma,
-    Opcode.CONV2D: run_convolution,
-    Opcode.DEPTHWISE_CONV2D: run_convolution,
-    Opcode.FULLY_CONNECTED: run_convolution,
-    Opcode.ADD: run_add_sub,
-    Opcode.MEAN: run_mean,
-    Opcode.MAX_POOL2D: run_max_pool,
-    Opcode.AVG_POOL2D: run_avg_pool,
-    Opcode.LUT: run_lut,
-    Opcode.SUB: run_add_sub,
-    Opcode.MUL: run_mul,
-    Opcode.SOFTMAX: run_softmax,
-}
-
-
-def execute(state: MachineState, command: Command, config: NpuConfig) -> None:
-    try:
-        kernel = KERNELS[command.opcode]
-    except KeyError:
-        raise NpuError(f"no kernel for opcode {command.opcode!r}") from None
-    kernel(state, command.opcode, command.payload, config)

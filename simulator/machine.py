@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .config import DEFAULT_PRESET, NpuConfig, get_config
-from .cycles import command_cost
+from .config import NpuConfig
 from .errors import ExecutionError
 from .isa import BufferKind, CommandStream, Opcode
-from .kernels import MachineState, execute
+from .kernels import MachineState
+from .opcodes import opcode_def
 from .stream import decode_stream
 from .validate import validate_stream
 
@@ -83,12 +83,12 @@ def run_stream(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],
                config: NpuConfig | None = None) -> tuple[dict[str, np.ndarray], RunStats]:
     """Execute a stream bit-exactly and return its outputs by name and its statistics.
 
-    ``config`` defaults to the preset named in the stream; a stream never runs
-    on a configuration other than the one it was compiled for.
+    ``config`` defaults to the one the stream carries; a stream never runs on
+    hardware whose numbers differ from those it was compiled for.
     """
     if not isinstance(stream, CommandStream):
         stream = decode_stream(stream)
-    config = config or get_config(stream.config or DEFAULT_PRESET)
+    config = config or stream.config
     validate_stream(stream, config)
     loaded = _load_inputs(stream, inputs)
     dram = []
@@ -100,8 +100,9 @@ def run_stream(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],
     state = MachineState(sram=np.zeros(config.sram_bytes, dtype=np.uint8), dram=dram)
     stats = []
     for index, command in enumerate(stream.commands):
-        execute(state, command, config)
-        cost = command_cost(command, config)
+        definition = opcode_def(command.opcode)
+        definition.execute(state, command.opcode, command.payload, config)
+        cost = definition.cost(command.opcode, command.payload, config)
         stats.append(CommandStats(index, command.opcode, command.layer, cost.cycles, cost.macs,
                                   cost.dram_read_bytes, cost.dram_write_bytes))
     outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape(buf.shape).copy()

@@ -24,6 +24,10 @@ _SOFTMAX_MAX_SUM = 1 << (31 - SOFTMAX_ACCUMULATION_INTEGER_BITS + 9)
 """Raw Q12.19 sum of 512: from there the output shift exceeds 31 and TFLite's kernel aborts."""
 
 
+SOFTMAX_OUTPUT = (1.0 / 256, -128)
+"""(scale, zero point): TFLite's int8 SOFTMAX exists only with this output."""
+
+
 def softmax_params(input_scale, beta=1.0) -> tuple[int, int, int]:
     """(input_multiplier, input_left_shift, diff_min) as TFLite's SoftmaxPrepare computes them for int8 (kReference).
 

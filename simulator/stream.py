@@ -20,15 +20,17 @@ from ._generated import Convolution as fb_conv
 from ._generated import DmaCopy as fb_dma
 from ._generated import Elementwise as fb_elementwise
 from ._generated import FeatureMap as fb_fmap
+from ._generated import HardwareConfig as fb_hardware
 from ._generated import Pooling as fb_pooling
 from ._generated import Reduction as fb_reduction
 from ._generated import Softmax as fb_softmax
 from ._generated import TableLookup as fb_lut
-from .errors import StreamError
-from .isa import (FORMAT_VERSION, PAYLOAD_OF_OPCODE, Buffer, BufferKind, Command, CommandStream,
-                  Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode, Pooling,
-                  Reduction, Softmax, TableLookup)
+from .config import NpuConfig, get_config
+from .errors import ConfigError, StreamError
+from .isa import (FORMAT_VERSION, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
+                  FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
 from .numerics import Rounding
+from .opcodes import opcode_def
 
 FILE_IDENTIFIER = b"NPUC"
 
@@ -70,20 +72,19 @@ def _unflatten_conv(flat: dict[str, int], ifm: FeatureMap, ofm: FeatureMap) -> C
         act_min=flat["act_min"], act_max=flat["act_max"], rounding=rounding)
 
 
-FLAT_PAYLOADS = {Elementwise: ("elementwise", fb_elementwise, "Elementwise"),
-                 Reduction: ("reduction", fb_reduction, "Reduction"),
-                 Pooling: ("pooling", fb_pooling, "Pooling"),
-                 TableLookup: ("lut", fb_lut, "TableLookup"),
-                 Softmax: ("softmax", fb_softmax, "Softmax")}
-"""Payloads whose dataclass fields map one to one onto schema fields (feature maps nested)."""
+FLAT_PAYLOADS = {Elementwise: (fb_elementwise, "Elementwise"), Reduction: (fb_reduction, "Reduction"),
+                 Pooling: (fb_pooling, "Pooling"), TableLookup: (fb_lut, "TableLookup"),
+                 Softmax: (fb_softmax, "Softmax")}
+"""Payloads whose dataclass fields map one to one onto schema tables (feature maps nested); the slot each
+occupies in ``Command`` is the opcode table's."""
 
 
 def _encode_fmap(builder, fmap: FeatureMap) -> int:
     return _add_table(builder, fb_fmap, "FeatureMap", {f: getattr(fmap, f) for f in _FMAP_FIELDS}, {})
 
 
-def _encode_flat(builder, payload) -> tuple[str, int]:
-    slot, module, prefix = FLAT_PAYLOADS[type(payload)]
+def _encode_flat(builder, payload) -> int:
+    module, prefix = FLAT_PAYLOADS[type(payload)]
     scalars, offsets = {}, {}
     for f in fields(payload):
         value = getattr(payload, f.name)
@@ -91,7 +92,7 @@ def _encode_flat(builder, payload) -> tuple[str, int]:
             offsets[f.name] = _encode_fmap(builder, value)
         else:
             scalars[f.name] = value if isinstance(value, float) else int(value)
-    return slot, _add_table(builder, module, prefix, scalars, offsets)
+    return _add_table(builder, module, prefix, scalars, offsets)
 
 
 def _decode_flat(table, cls):
@@ -122,26 +123,31 @@ def _add_vector(builder, items: list[int]):
     return builder.EndVector()
 
 
-def _encode_command(builder, command: Command) -> int:
-    offsets = {"layer": builder.CreateString(command.layer)}
-    payload = command.payload
+def _encode_payload(builder, payload) -> int:
     if isinstance(payload, DmaCopy):
-        offsets["dma"] = _add_table(builder, fb_dma, "DmaCopy",
-                                    {f: getattr(payload, f) for f in _DMA_FIELDS}, {})
-    elif isinstance(payload, Convolution):
+        return _add_table(builder, fb_dma, "DmaCopy", {f: getattr(payload, f) for f in _DMA_FIELDS}, {})
+    if isinstance(payload, Convolution):
         fmaps = {name: _encode_fmap(builder, getattr(payload, name)) for name in ("ifm", "ofm")}
-        offsets["conv"] = _add_table(builder, fb_conv, "Convolution", _flatten_conv(payload), fmaps)
-    else:
-        slot, offset = _encode_flat(builder, payload)
-        offsets[slot] = offset
+        return _add_table(builder, fb_conv, "Convolution", _flatten_conv(payload), fmaps)
+    return _encode_flat(builder, payload)
+
+
+def _encode_command(builder, command: Command) -> int:
+    definition = opcode_def(command.opcode)
+    if not isinstance(command.payload, definition.payload):
+        raise StreamError(f"{command.opcode.name} cannot carry {type(command.payload).__name__}")
+    offsets = {"layer": builder.CreateString(command.layer),
+               definition.slot: _encode_payload(builder, command.payload)}
     return _add_table(builder, fb_command, "Command", {"opcode": int(command.opcode)}, offsets)
+
+
+def _encode_hardware(builder, config: NpuConfig) -> int:
+    strings = {"name": builder.CreateString(config.name), "fingerprint": builder.CreateString(config.fingerprint)}
+    return _add_table(builder, fb_hardware, "HardwareConfig", config.values(), strings)
 
 
 def encode_stream(stream: CommandStream) -> bytes:
     """Serialize a stream; the inverse of :func:`decode_stream`."""
-    for command in stream.commands:
-        if not isinstance(command.payload, PAYLOAD_OF_OPCODE[command.opcode]):
-            raise StreamError(f"{command.opcode.name} cannot carry {type(command.payload).__name__}")
     builder = flatbuffers.Builder(1024)
     buffer_offsets = []
     for buf in stream.buffers:
@@ -155,9 +161,10 @@ def encode_stream(stream: CommandStream) -> bytes:
     root = _add_table(builder, fb_stream, "CommandStream",
                       {"version_major": stream.version[0], "version_minor": stream.version[1]},
                       {"name": builder.CreateString(stream.name),
-                       "config": builder.CreateString(stream.config),
+                       "config": builder.CreateString(stream.config.name),
                        "buffers": _add_vector(builder, buffer_offsets),
-                       "commands": _add_vector(builder, command_offsets)})
+                       "commands": _add_vector(builder, command_offsets),
+                       "hardware": _encode_hardware(builder, stream.config)})
     builder.Finish(root, file_identifier=FILE_IDENTIFIER)
     return bytes(builder.Output())
 
@@ -181,34 +188,47 @@ def _enum(enum_type, value, what: str):
 
 def _decode_fmap(table, what: str) -> FeatureMap:
     if table is None:
-        raise StreamError(f"convolution command has no {what}")
+        raise StreamError(f"command has no {what} feature map")
     return FeatureMap(**{f: getattr(table, _camel(f))() for f in _FMAP_FIELDS})
+
+
+def _decode_payload(raw, payload_type: type):
+    if payload_type is DmaCopy:
+        fields = {f: getattr(raw, _camel(f))() for f in _DMA_FIELDS}
+        fields["src_space"] = _enum(MemorySpace, fields["src_space"], "memory space")
+        fields["dst_space"] = _enum(MemorySpace, fields["dst_space"], "memory space")
+        return DmaCopy(**fields)
+    if payload_type is Convolution:
+        flat = {f: getattr(raw, _camel(f))() for f in _CONV_FIELDS}
+        return _unflatten_conv(flat, _decode_fmap(raw.Ifm(), "ifm"), _decode_fmap(raw.Ofm(), "ofm"))
+    return _decode_flat(raw, payload_type)
 
 
 def _decode_command(raw, index: int, total: int) -> Command:
     opcode = _enum(Opcode, raw.Opcode(), "opcode")
-    layer = _text(raw.Layer())
-    if PAYLOAD_OF_OPCODE[opcode] is DmaCopy:
-        table = raw.Dma()
-        if table is None:
-            raise StreamError(f"command {index}: {opcode.name} has no dma payload")
-        fields = {f: getattr(table, _camel(f))() for f in _DMA_FIELDS}
-        fields["src_space"] = _enum(MemorySpace, fields["src_space"], "memory space")
-        fields["dst_space"] = _enum(MemorySpace, fields["dst_space"], "memory space")
-        return Command(opcode, DmaCopy(**fields), layer)
-    payload_type = PAYLOAD_OF_OPCODE[opcode]
-    if payload_type in FLAT_PAYLOADS:
-        slot = FLAT_PAYLOADS[payload_type][0]
-        table = getattr(raw, _camel(slot))()
-        if table is None:
-            raise StreamError(f"command {index}: {opcode.name} has no {slot} payload")
-        return Command(opcode, _decode_flat(table, payload_type), layer)
-    table = raw.Conv()
+    definition = opcode_def(opcode)
+    table = getattr(raw, _camel(definition.slot))()
     if table is None:
-        raise StreamError(f"command {index}: {opcode.name} has no convolution payload")
-    flat = {f: getattr(table, _camel(f))() for f in _CONV_FIELDS}
-    conv = _unflatten_conv(flat, _decode_fmap(table.Ifm(), "ifm"), _decode_fmap(table.Ofm(), "ofm"))
-    return Command(opcode, conv, layer)
+        raise StreamError(f"command {index}: {opcode.name} has no {definition.slot} payload")
+    return Command(opcode, _decode_payload(table, definition.payload), _text(raw.Layer()))
+
+
+def _decode_hardware(root, version: tuple[int, int]) -> NpuConfig:
+    """The configuration a stream carries (1.3), or the preset an older stream names."""
+    raw = root.Hardware()
+    if raw is None:
+        if version >= (1, 3):
+            raise StreamError("stream carries no hardware configuration")
+        return get_config(_text(root.Config()))
+    values = {name: getattr(raw, _camel(name))() for name in NpuConfig.__dataclass_fields__ if name != "name"}
+    try:
+        config = NpuConfig(name=_text(raw.Name()), **values)
+    except ConfigError as exc:
+        raise StreamError(f"invalid hardware configuration in stream: {exc}") from None
+    if _text(raw.Fingerprint()) != config.fingerprint:
+        raise StreamError(f"hardware fingerprint {_text(raw.Fingerprint())!r} does not match the configuration's "
+                          f"numbers ({config.fingerprint!r}): the stream is corrupt")
+    return config
 
 
 def _decode_buffer(raw, total: int) -> Buffer:
@@ -241,10 +261,12 @@ def decode_stream(data: bytes) -> CommandStream:
         n_commands = _checked_length(root.CommandsLength(), 4, len(data), "command list")
         buffers = tuple(_decode_buffer(root.Buffers(i), len(data)) for i in range(n_buffers))
         commands = tuple(_decode_command(root.Commands(i), i, len(data)) for i in range(n_commands))
-        return CommandStream(name=_text(root.Name()), config=_text(root.Config()), buffers=buffers,
+        return CommandStream(name=_text(root.Name()), config=_decode_hardware(root, version), buffers=buffers,
                              commands=commands, version=version)
     except StreamError:
         raise
+    except ConfigError as exc:
+        raise StreamError(f"stream names hardware this simulator does not know: {exc}") from None
     except (struct.error, IndexError, ValueError, TypeError, UnicodeDecodeError, OverflowError) as exc:
         raise StreamError(f"corrupt command stream: {type(exc).__name__}: {exc}") from None
 

@@ -48,20 +48,22 @@ def _activation_table(input_scale, input_zero_point, function, output_shift: int
     return table
 
 
-def logistic_table(input_scale, input_zero_point) -> np.ndarray:
-    """int8 LOGISTIC of every input -128..127, as reference_integer_ops::Logistic computes it.
+LOGISTIC_OUTPUT = (1.0 / 256, -128)
+"""(scale, zero point): TFLite's int8 LOGISTIC exists only with this output (activations.cc)."""
+TANH_OUTPUT = (1.0 / 128, 0)
+"""(scale, zero point): TFLite's int8 TANH exists only with this output."""
 
-    TFLite fixes the output qparams at scale 1/256, zero point -128.
-    """
-    return _activation_table(input_scale, input_zero_point, fixedpoint.logistic, 31 - 8, -128)
+
+def logistic_table(input_scale, input_zero_point) -> np.ndarray:
+    """int8 LOGISTIC of every input -128..127, as reference_integer_ops::Logistic computes it (output
+    :data:`LOGISTIC_OUTPUT`: Q0.8 offset by the zero point)."""
+    return _activation_table(input_scale, input_zero_point, fixedpoint.logistic, 31 - 8, LOGISTIC_OUTPUT[1])
 
 
 def tanh_table(input_scale, input_zero_point) -> np.ndarray:
-    """int8 TANH of every input -128..127, as reference_integer_ops::Tanh computes it.
-
-    TFLite fixes the output qparams at scale 1/128, zero point 0.
-    """
-    return _activation_table(input_scale, input_zero_point, fixedpoint.tanh, 31 - 7, 0)
+    """int8 TANH of every input -128..127, as reference_integer_ops::Tanh computes it (output
+    :data:`TANH_OUTPUT`: Q0.7)."""
+    return _activation_table(input_scale, input_zero_point, fixedpoint.tanh, 31 - 7, TANH_OUTPUT[1])
 
 
 def requantize_table(input_scale, input_zero_point, output_scale, output_zero_point,

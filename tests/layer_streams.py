@@ -1,25 +1,29 @@
-"""Build and run a one-layer command stream from a ConvParams record (test helper)."""
+"""Build and run a one-layer command stream from a record, and an independent reference for it (test helper)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-from npu_backend.codegen.lower import LOWERINGS, StreamBuilder
-from npu_backend.codegen.multipliers import conv_multipliers
+from npu_backend.codegen.emit import StreamBuilder
+from npu_backend.codegen.lower import lower_layer
 from npu_backend.params import ConvParams, NpuOp
-from simulator import BufferKind, CommandStream, run_stream
+from simulator import BufferKind, CommandStream, Rounding, run_stream
 
 
 def layer_stream(p, config) -> CommandStream:
+    """The stream of one layer, lowered exactly as a region's layer is (rules checked, planned, prepared)."""
     sb = StreamBuilder(config)
-    if p.op == NpuOp.ADD:
-        sources = [sb.add_buffer(name, BufferKind.INPUT, p.shape) for name in ("ifm", "ifm2")]
-        dst = sb.add_buffer("ofm", BufferKind.OUTPUT, p.shape)
+    binary = hasattr(p, "input2_scale")
+    shape_in = p.shape if binary or not hasattr(p, "ifm_shape") else p.ifm_shape
+    shape_out = p.shape if not hasattr(p, "ofm_shape") else p.ofm_shape
+    if binary:
+        sources = [sb.add_buffer("ifm", BufferKind.INPUT, p.shape),
+                   None if p.input2_values.size else sb.add_buffer("ifm2", BufferKind.INPUT, p.shape)]
     else:
-        sources = [sb.add_buffer("ifm", BufferKind.INPUT, p.ifm_shape)]
-        dst = sb.add_buffer("ofm", BufferKind.OUTPUT, p.ofm_shape)
-    LOWERINGS[p.op](sb, p, f"{p.op.value}_0", sources, dst)
-    return CommandStream(name="layer", config=config.name, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
+        sources = [sb.add_buffer("ifm", BufferKind.INPUT, shape_in)]
+    dst = sb.add_buffer("ofm", BufferKind.OUTPUT, shape_out)
+    lower_layer(sb, p, f"{p.op.value}_0", sources, dst)
+    return CommandStream(name="layer", config=config, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
 
 
 def run_layer(p, config, x: np.ndarray, x2: np.ndarray | None = None):
@@ -56,11 +60,22 @@ def random_params(rng, op: NpuOp, ifm_shape, out_channels=None, kernel=(3, 3), s
 
 
 def reference_layer(p: ConvParams, x: np.ndarray) -> np.ndarray:
+    """The layer computed element by element from the TFLite spec, with its own multipliers: nothing here
+    comes from the code under test but the record's fields."""
     import reference_kernels as ref
 
-    mult, shift = conv_multipliers(p)
-    args = (p.bias.tolist(), mult.tolist(), shift.tolist(), p.input_zero_point, p.output_zero_point, p.clamp)
-    if p.op == NpuOp.FULLY_CONNECTED:
+    fully_connected = p.op == NpuOp.FULLY_CONNECTED
+    scales = [float(s) for s in p.weight_scales]
+    if p.rounding == Rounding.FLOAT64:
+        assert fully_connected, "TFLite requantizes in double only in per-channel FULLY_CONNECTED"
+        out = ref.fully_connected_float(x.tolist(), p.weights.tolist(), p.bias.tolist(), p.input_scale, scales,
+                                        p.output_scale, p.input_zero_point, p.output_zero_point, p.clamp)
+        return np.array(out, dtype=np.int8)
+    assert p.rounding == Rounding.TFLITE_DOUBLE, f"no reference for {p.rounding.name} here"
+    mult, shift = ref.conv_multipliers(p.input_scale, scales, p.output_scale,
+                                       per_tensor_fully_connected=fully_connected and not p.per_channel)
+    args = (p.bias.tolist(), mult, shift, p.input_zero_point, p.output_zero_point, p.clamp)
+    if fully_connected:
         return np.array(ref.fully_connected(x.tolist(), p.weights.tolist(), *args), dtype=np.int8)
     out = ref.conv2d(x[0].tolist(), p.weights.tolist(), *args, stride=p.strides, dilation=p.dilation,
                      padding=p.padding, depthwise=p.op == NpuOp.DEPTHWISE_CONV2D)

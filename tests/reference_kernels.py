@@ -119,6 +119,27 @@ def quantize_multiplier(real: float) -> tuple[int, int]:
     return q_fixed, shift
 
 
+def conv_multipliers(s_in: float, w_scales, s_out: float, per_tensor_fully_connected: bool = False):
+    """Per-channel (multiplier, shift) as TFLite prepares them, restated from its kernel_util.cc.
+
+    CONV_2D / DEPTHWISE_CONV_2D / per-channel FULLY_CONNECTED (PopulateConvolutionQuantizationParams):
+    ``double(s_in) * double(s_w) / double(s_out)`` per channel. Per-tensor FULLY_CONNECTED
+    (GetQuantizedConvolutionMultipler): the product ``s_in * s_w`` is taken in float32 first, then
+    divided in double. Each real multiplier then goes through :func:`quantize_multiplier`.
+    Scales are float32 values.
+    """
+    import numpy as np
+
+    pairs = []
+    for s_w in w_scales:
+        if per_tensor_fully_connected:
+            real = float(np.float32(s_in) * np.float32(s_w)) / float(np.float32(s_out))
+        else:
+            real = float(np.float32(s_in)) * float(np.float32(s_w)) / float(np.float32(s_out))
+        pairs.append(quantize_multiplier(real))
+    return [m for m, _ in pairs], [e for _, e in pairs]
+
+
 def _add_or_sub(sign: int, x1, x2, s1, zp1, s2, zp2, s_out, zp_out, act):
     """TFLite reference int8 ADD (sign 1) or SUB (sign -1), element by element. SUB prepares exactly as ADD
     (sub.cc PrepareGeneralSubOp, add.cc Prepare) and subtracts the rescaled inputs (reference/sub.h).

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from layer_streams import random_params, reference_layer, run_layer
-from npu_backend.codegen.plan import plan_layer
+from npu_backend.tiling import plan_layer
 from npu_backend.params import NpuOp
 from simulator import Opcode, get_config
 

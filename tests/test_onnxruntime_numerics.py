@@ -21,8 +21,9 @@ import numpy as np
 import pytest
 
 import reference_kernels as ref
-from npu_backend.codegen.lower import LOWERINGS, StreamBuilder
-from npu_backend.codegen.multipliers import lut_table
+from npu_backend.codegen.emit import StreamBuilder
+from npu_backend.codegen.lower import lower_layer
+from npu_backend.ops import op_def
 from npu_backend.errors import UnsupportedOpError
 from npu_backend.params import ElementwiseParams, LutParams, MeanParams, NpuOp, PoolParams
 from simulator import (BufferKind, CommandStream, NumericsError, Opcode, Rounding, encode_stream, get_config,
@@ -47,8 +48,8 @@ def _run_lowered(p, inputs: dict, out_shape, config):
     sb = StreamBuilder(config)
     sources = [sb.add_buffer(name, BufferKind.INPUT, value.shape) for name, value in inputs.items()]
     dst = sb.add_buffer("ofm", BufferKind.OUTPUT, out_shape)
-    LOWERINGS[p.op](sb, p, f"{p.op.value}_0", sources, dst)
-    stream = CommandStream("layer", config.name, tuple(sb.buffers), tuple(sb.commands))
+    lower_layer(sb, p, f"{p.op.value}_0", sources, dst)
+    stream = CommandStream("layer", config, tuple(sb.buffers), tuple(sb.commands))
     outputs, stats = run_stream(encode_stream(stream), inputs, config)
     return outputs["ofm"], stats
 
@@ -293,7 +294,7 @@ def test_tables_match_onnxruntime(oracle, op):
         qparams = (float(scales[0]), int(zero_points[0]), float(scales[1]), int(zero_points[1]))
         p = LutParams(op=npu_op, shape=(256,), input_scale=qparams[0], input_zero_point=qparams[1],
                       output_scale=qparams[2], output_zero_point=qparams[3], alpha=alpha, rounding=ORT)
-        np.testing.assert_array_equal(lut_table(p), want, err_msg=f"{op} {qparams}")
+        np.testing.assert_array_equal(op_def(p.op).prepare(p), want, err_msg=f"{op} {qparams}")
         if op in NUMPY_FLOAT64:
             numpy_misses += int((onnxruntime_numerics.qdq_table(NUMPY_FLOAT64[op], *qparams) != want).sum())
     if op in NUMPY_FLOAT64:

@@ -90,7 +90,8 @@ def test_validation_rejects_bad_convolution(conv_stream, changes, message):
 
 
 def test_stream_runs_only_on_its_preset(conv_stream):
-    with pytest.raises(StreamError, match="compiled for 'npu-256'"):
+    with pytest.raises(StreamError, match=r"compiled for other hardware \('npu-256', simulator 'npu-1024'\): "
+                                          "mac_rows: 16 != 32"):
         validate_stream(conv_stream, get_config("npu-1024"))
 
 
@@ -118,24 +119,37 @@ def test_simulator_does_not_import_tvm():
 
 
 def test_opcode_table_is_complete():
-    """Every opcode has a schema value, payload, kernel and cost model; every operator a lowering."""
+    """Every opcode has a schema value, a payload in its schema slot, a validator, a kernel and a cost; every
+    NPU operator a definition whose opcodes exist."""
+    from simulator._generated.Command import Command as GeneratedCommand
     from simulator._generated.Opcode import Opcode as Generated
-    from simulator.cycles import COST_MODELS
-    from simulator.isa import PAYLOAD_OF_OPCODE
-    from simulator.kernels import KERNELS
-    from npu_backend.codegen.lower import LOWERINGS
-    from npu_backend.codegen.multipliers import DERIVE
-    from npu_backend.codegen.plan import PLANNERS
-    from npu_backend.params import RECORD_OF_OP, NpuOp
-    from npu_backend.patterns import OPERATORS
+    from simulator.opcodes import OPCODES
+    from npu_backend.ops import OPS
+    from npu_backend.params import NpuOp
 
     generated = {name: value for name, value in vars(Generated).items() if not name.startswith("_")}
     assert generated == {op.name: op.value for op in Opcode}
-    for op in Opcode:
-        assert op in PAYLOAD_OF_OPCODE and op in KERNELS and op in COST_MODELS
-    assert set(LOWERINGS) == set(RECORD_OF_OP) == set(NpuOp)
-    assert {f"npu.{op.value}" for op in NpuOp} == {entry.name for entry in OPERATORS}
-    assert set(RECORD_OF_OP.values()) == set(DERIVE) == set(PLANNERS)
+    assert set(OPCODES) == set(Opcode)
+    for op, definition in OPCODES.items():
+        assert definition.opcode == op
+        assert hasattr(GeneratedCommand, "".join(w.capitalize() for w in definition.slot.split("_")))
+        assert all(callable(f) for f in (definition.validate, definition.execute, definition.cost))
+    assert sorted(d.op.name for d in OPS) == sorted(op.name for op in NpuOp)
+    for definition in OPS:
+        assert definition.idioms and set(definition.opcodes) <= set(OPCODES), definition.op
+        assert all(callable(f) for f in (definition.plan, definition.prepare, definition.lower, *definition.rules))
+
+
+def test_an_opcode_without_a_definition_is_a_stream_error(conv_stream, monkeypatch):
+    """Nothing falls back to a default payload or kernel: an opcode the table lacks is refused by name."""
+    from simulator import opcodes
+
+    data = encode_stream(conv_stream)
+    monkeypatch.delitem(opcodes.OPCODES, Opcode.CONV2D)
+    with pytest.raises(StreamError, match="opcode CONV2D has no definition"):
+        decode_stream(data)
+    with pytest.raises(StreamError, match="opcode CONV2D has no definition"):
+        validate_stream(conv_stream, conv_stream.config)
 
 
 def test_mutated_streams_fail_only_with_stream_errors(conv_stream):
@@ -154,7 +168,7 @@ def test_mutated_streams_fail_only_with_stream_errors(conv_stream):
             mutated = mutated[:rng.randrange(len(mutated))]
         try:
             stream = decode_stream(bytes(mutated))
-            validate_stream(stream, get_config(stream.config))
+            validate_stream(stream, stream.config)
             run_stream(stream, {b.name: np.zeros(b.shape, b.dtype) for _, b in stream.buffers_of(BufferKind.INPUT)})
         except NpuError:
             pass
@@ -301,10 +315,10 @@ def _ort_commands():
 
 
 def test_onnxruntime_fields_round_trip():
-    """Format 1.2: the float32 scales survive encoding exactly (the payloads hold float32 values)."""
+    """The float32 scales (format 1.2) survive encoding exactly (the payloads hold float32 values)."""
     stream = _compute_stream(*_ort_commands())
     decoded = decode_stream(encode_stream(stream))
-    assert decoded == stream and decoded.version == FORMAT_VERSION == (1, 2)
+    assert decoded == stream and decoded.version == FORMAT_VERSION == (1, 3)
     mul, mean, pool = (c.payload for c in decoded.commands)
     assert (mul.input_scale, mul.input2_scale, mul.output_scale) == tuple(
         float(np.float32(s)) for s in (0.02, 0.031, 0.011))
@@ -401,7 +415,7 @@ def test_mutated_onnxruntime_streams_fail_only_with_npu_errors():
             mutated[rng.randrange(len(mutated))] = rng.randrange(256)
         try:
             stream = decode_stream(bytes(mutated))
-            validate_stream(stream, get_config(stream.config))
+            validate_stream(stream, stream.config)
             run_stream(stream, {b.name: np.zeros(b.shape, b.dtype) for _, b in stream.buffers_of(BufferKind.INPUT)})
         except NpuError:
             pass

@@ -1,4 +1,8 @@
-"""The ``relax.ext.npu`` codegen: NPU regions -> command streams bound to runtime symbols."""
+"""The ``relax.ext.npu`` codegen: NPU regions -> command streams bound to runtime symbols.
+
+Importing this package registers nothing; :func:`register_codegen` (called by
+``import npu_backend``) does.
+"""
 
 import tvm
 
@@ -8,7 +12,6 @@ from ..runtime import install_stream
 from .lower import lower_module, lower_region, npu_regions
 
 
-@tvm.register_global_func("relax.ext.npu", override=True)
 def npu_codegen(functions, options, constant_names):
     """Called by ``relax.transform.RunCodegen`` with every ``Codegen="npu"`` function.
 
@@ -23,4 +26,8 @@ def npu_codegen(functions, options, constant_names):
     return []
 
 
-__all__ = ["npu_codegen", "lower_module", "lower_region", "npu_regions"]
+def register_codegen() -> None:
+    tvm.register_global_func("relax.ext.npu", npu_codegen, override=True)
+
+
+__all__ = ["npu_codegen", "register_codegen", "lower_module", "lower_region", "npu_regions"]

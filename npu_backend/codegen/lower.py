@@ -1,373 +1,36 @@
 """Lowering of one NPU region (a ``Codegen="npu"`` function) to a command stream.
 
-Every layer reads its input from DRAM and writes its output to DRAM (region
-inputs/outputs, or scratch buffers between layers); within a layer the tiles
-chosen by :mod:`.plan` are moved with explicit DMA commands. The qparams come
-from the composite's ``npu.*`` attributes, never from its body.
+Each composite of the region is rebuilt as its record from its ``npu.*``
+attributes (never from its body) and lowered by its operator's definition
+(:mod:`npu_backend.ops`): checked with the same rules that offloaded it,
+planned, prepared, then emitted as a tile program.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import tvm
 from tvm import relax
 
-from simulator.config import NpuConfig, get_config
-from simulator.isa import (Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
-                           FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
-from simulator.numerics import ADD_LEFT_SHIFT, Rounding
+from simulator.config import NpuConfig
+from simulator.isa import BufferKind, CommandStream
 
 from ..errors import UnsupportedOpError
-from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
-                      ReshapeParams, SliceParams, SoftmaxParams, TransposeParams, OPERANDS_ATTR, from_attrs)
-from .multipliers import (conv_multipliers, elementwise_multipliers, lut_table, mean_multiplier, pool_qparams,
-                          softmax_multiplier)
-from .plan import (LayerGeometry, TilePlan, plan_elementwise, plan_softmax, plan_concat, plan_copy, plan_layer, plan_lut, plan_mean,
-                   plan_pad, plan_slice, plan_transpose)
+from ..legality import violation
+from ..ops import decode_composite, op_def
+from ..params import OPERANDS_ATTR, NpuParams
+from .emit import StreamBuilder
 
-CONFIG_ATTR = "npu.preset"
-
-OPCODE_OF_OP = {
-    NpuOp.CONV2D: Opcode.CONV2D,
-    NpuOp.DEPTHWISE_CONV2D: Opcode.DEPTHWISE_CONV2D,
-    NpuOp.FULLY_CONNECTED: Opcode.FULLY_CONNECTED,
-}
+CONFIG_ATTR = "npu.config"
+"""Region attribute: the JSON of the ``NpuConfig`` the region was partitioned for."""
 
 
-class StreamBuilder:
-    """Accumulates buffers and commands of one stream."""
-
-    def __init__(self, config: NpuConfig):
-        self.config = config
-        self.buffers: list[Buffer] = []
-        self.commands: list[Command] = []
-
-    def add_buffer(self, name: str, kind: BufferKind, shape=(), dtype="int8", data: bytes = b"",
-                   size: int | None = None) -> int:
-        if size is None:
-            size = len(data) if data else int(np.prod(shape)) * np.dtype(dtype).itemsize
-        self.buffers.append(Buffer(name, kind, size, dtype, tuple(int(d) for d in shape), data))
-        return len(self.buffers) - 1
-
-    def dma(self, layer: str, buffer: int, dram_offset: int, sram_address: int, row_bytes: int,
-            rows: int = 1, dram_stride: int = 0, sram_stride: int = 0, to_sram: bool = True) -> None:
-        dram = (MemorySpace.DRAM, buffer, dram_offset, dram_stride)
-        sram = (MemorySpace.SRAM, -1, sram_address, sram_stride)
-        (ss, sb, so, sst), (ds, db, do, dst) = (dram, sram) if to_sram else (sram, dram)
-        self.commands.append(Command(Opcode.DMA_COPY, DmaCopy(ss, sb, so, ds, db, do, row_bytes, rows,
-                                                              sst, dst), layer))
-
-    def feature_dma(self, layer: str, buffer: int, pixel_start: int, pixels: int, channels: int,
-                    channel_start: int, channel_count: int, sram_address: int, to_sram: bool) -> None:
-        """Move ``pixels`` NHWC pixels, restricted to a channel range, between DRAM and SRAM."""
-        offset = pixel_start * channels + channel_start
-        if channel_count == channels:
-            self.dma(layer, buffer, offset, sram_address, pixels * channels, to_sram=to_sram)
-        else:
-            self.dma(layer, buffer, offset, sram_address, channel_count, rows=pixels,
-                     dram_stride=channels, sram_stride=channel_count, to_sram=to_sram)
-
-
-def emit_conv(sb: StreamBuilder, p: ConvParams, layer: str, sources: list[int], dst: int) -> None:
-    """Constants, DMA and compute commands of one convolution-class layer, tile by tile."""
-    (src,) = sources
-    g = LayerGeometry.of(p)
-    plan: TilePlan = plan_layer(p, sb.config)
-    multiplier, shift = conv_multipliers(p)
-    table = np.stack([p.bias.astype(np.int32), multiplier, shift], axis=1).astype("<i4")
-    weights = sb.add_buffer(f"{layer}.weights", BufferKind.CONSTANT, p.weights.shape,
-                            data=np.ascontiguousarray(p.weights, dtype=np.int8).tobytes())
-    scale_bias = sb.add_buffer(f"{layer}.scale_bias", BufferKind.CONSTANT, table.shape, "int32",
-                               data=table.tobytes())
-    per_channel_weights = g.weight_bytes(1)
-    opcode = OPCODE_OF_OP[p.op]
-    for c0 in range(0, g.out_channels, plan.channel_tile):
-        ct = min(plan.channel_tile, g.out_channels - c0)
-        sb.dma(layer, weights, c0 * per_channel_weights, plan.weights_address, ct * per_channel_weights)
-        sb.dma(layer, scale_bias, c0 * table.shape[1] * 4, plan.scale_bias_address, ct * table.shape[1] * 4)
-        in_c0, in_ct = (c0, ct) if g.depthwise else (0, g.in_channels)
-        for oy0 in range(0, g.out_height, plan.row_tile):
-            oy1 = min(g.out_height, oy0 + plan.row_tile)
-            iy0, iy1, pad_top, pad_bottom = g.input_rows(oy0, oy1)
-            if iy1 <= iy0:
-                raise UnsupportedOpError(f"{layer}: output rows {oy0}..{oy1} read only padding")
-            sb.feature_dma(layer, src, iy0 * g.width, (iy1 - iy0) * g.width, g.in_channels, in_c0, in_ct,
-                           plan.ifm_address, to_sram=True)
-            conv = Convolution(
-                ifm=FeatureMap(plan.ifm_address, iy1 - iy0, g.width, in_ct),
-                ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct),
-                weights_address=plan.weights_address, scale_bias_address=plan.scale_bias_address,
-                kernel=g.kernel, stride=g.strides, dilation=g.dilation,
-                padding=(pad_top, g.padding[1], pad_bottom, g.padding[3]),
-                input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
-                act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding)
-            sb.commands.append(Command(opcode, conv, layer))
-            sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
-                           plan.ofm_address, to_sram=False)
-
-
-ELEMENTWISE_OPCODES = {NpuOp.ADD: Opcode.ADD, NpuOp.SUBTRACT: Opcode.SUB, NpuOp.MULTIPLY: Opcode.MUL}
-ELEMENTWISE_LEFT_SHIFT = {NpuOp.ADD: ADD_LEFT_SHIFT, NpuOp.SUBTRACT: ADD_LEFT_SHIFT, NpuOp.MULTIPLY: 0}
-"""TFLite gives ADD and SUB inputs 20 bits of headroom before rescaling; MUL rescales only the product."""
-
-
-def emit_elementwise(sb: StreamBuilder, p: ElementwiseParams, layer: str, sources: list[int], dst: int) -> None:
-    """Binary elementwise operator over flat chunks of both inputs.
-
-    TFLite roundings carry fixed-point multipliers; ``Rounding.ONNXRUNTIME``
-    carries the three float32 scales instead (and zeros for the rest). A
-    constant second operand (``None`` among the sources) joins the stream as a
-    constant buffer.
-    """
-    src, src2 = sources
-    if src2 is None:
-        src2 = sb.add_buffer(f"{layer}.input2", BufferKind.CONSTANT, p.shape,
-                             data=np.ascontiguousarray(p.input2_values, dtype=np.int8).tobytes())
-    plan = plan_elementwise(p, sb.config)
-    m1, s1, m2, s2, mo, so = elementwise_multipliers(p)
-    onnxruntime = p.rounding == Rounding.ONNXRUNTIME
-    left_shift = 0 if onnxruntime else ELEMENTWISE_LEFT_SHIFT[p.op]
-    scales = (dict(input_scale=p.input_scale, input2_scale=p.input2_scale, output_scale=p.output_scale)
-              if onnxruntime else {})
-    total = int(np.prod(p.shape))
-    for start in range(0, total, plan.chunk):
-        count = min(plan.chunk, total - start)
-        sb.dma(layer, src, start, plan.ifm_address, count)
-        sb.dma(layer, src2, start, plan.ifm2_address, count)
-        op = Elementwise(
-            ifm=FeatureMap(plan.ifm_address, 1, count, 1), ifm2=FeatureMap(plan.ifm2_address, 1, count, 1),
-            ofm=FeatureMap(plan.ofm_address, 1, count, 1), input_zero_point=p.input_zero_point,
-            input2_zero_point=p.input2_zero_point, output_zero_point=p.output_zero_point,
-            input_multiplier=m1, input_shift=s1, input2_multiplier=m2, input2_shift=s2,
-            output_multiplier=mo, output_shift=so, left_shift=left_shift, act_min=p.clamp[0],
-            act_max=p.clamp[1], rounding=p.rounding, **scales)
-        sb.commands.append(Command(ELEMENTWISE_OPCODES[p.op], op, layer))
-        sb.dma(layer, dst, start, plan.ofm_address, count, to_sram=False)
-
-
-def emit_softmax(sb: StreamBuilder, p: SoftmaxParams, layer: str, sources: list[int], dst: int) -> None:
-    """Whole rows at a time: each row's maximum and sum of exponentials need all of it."""
-    (src,) = sources
-    plan = plan_softmax(p, sb.config)
-    multiplier, left_shift, diff_min = softmax_multiplier(p)
-    depth, rows = p.shape[-1], int(np.prod(p.shape[:-1]))
-    for r0 in range(0, rows, plan.rows):
-        count = min(plan.rows, rows - r0)
-        sb.dma(layer, src, r0 * depth, plan.ifm_address, count * depth)
-        op = Softmax(ifm=FeatureMap(plan.ifm_address, 1, count, depth),
-                     ofm=FeatureMap(plan.ofm_address, 1, count, depth), input_multiplier=multiplier,
-                     input_left_shift=left_shift, diff_min=diff_min, output_zero_point=p.output_zero_point)
-        sb.commands.append(Command(Opcode.SOFTMAX, op, layer))
-        sb.dma(layer, dst, r0 * depth, plan.ofm_address, count * depth, to_sram=False)
-
-
-def emit_mean(sb: StreamBuilder, p: MeanParams, layer: str, sources: list[int], dst: int,
-              clamp: tuple[int, int] = (-128, 127)) -> None:
-    """Spatial mean, a channel tile at a time (each tile holds the whole height x width).
-
-    TFLite roundings carry the multiplier (1 / count folded in);
-    ``Rounding.ONNXRUNTIME`` carries the two float32 scales instead.
-    """
-    (src,) = sources
-    _, height, width, channels = p.ifm_shape
-    plan = plan_mean(p, sb.config)
-    multiplier, shift = mean_multiplier(p)
-    scales = (dict(input_scale=p.input_scale, output_scale=p.output_scale)
-              if p.rounding == Rounding.ONNXRUNTIME else {})
-    for c0 in range(0, channels, plan.channel_tile):
-        ct = min(plan.channel_tile, channels - c0)
-        sb.feature_dma(layer, src, 0, height * width, channels, c0, ct, plan.ifm_address, to_sram=True)
-        op = Reduction(ifm=FeatureMap(plan.ifm_address, height, width, ct), ofm=FeatureMap(plan.ofm_address, 1, 1, ct),
-                       input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
-                       multiplier=multiplier, shift=shift, act_min=clamp[0], act_max=clamp[1], rounding=p.rounding,
-                       **scales)
-        sb.commands.append(Command(Opcode.MEAN, op, layer))
-        sb.feature_dma(layer, dst, 0, 1, channels, c0, ct, plan.ofm_address, to_sram=False)
-
-
-def is_ort_global_average(p: PoolParams) -> bool:
-    """An onnxruntime average pool whose window is the whole input, with stride 1 and no padding.
-
-    MLAS runs it with its global kernel (four lane sums), not the windowed one,
-    so it is lowered as the MEAN unit's onnxruntime mean, which sums in that order.
-    """
-    _, height, width, _ = p.ifm_shape
-    return (p.op == NpuOp.AVG_POOL2D and p.rounding == Rounding.ONNXRUNTIME and tuple(p.kernel) == (height, width)
-            and tuple(p.strides) == (1, 1) and not any(p.padding))
-
-
-def emit_pool(sb: StreamBuilder, p: PoolParams, layer: str, sources: list[int], dst: int) -> None:
-    """Pooling in (channel tile x row stripe) tiles, halos included, like a depthwise layer.
-
-    An onnxruntime average pool carries its qparams (it requantizes its float
-    average); one over the whole input becomes a MEAN (:func:`is_ort_global_average`).
-    """
-    pool_qparams(p)
-    if is_ort_global_average(p):
-        mean = MeanParams(op=NpuOp.MEAN, ifm_shape=p.ifm_shape, ofm_shape=p.ofm_shape, input_scale=p.input_scale,
-                          input_zero_point=p.input_zero_point, output_scale=p.output_scale,
-                          output_zero_point=p.output_zero_point, rounding=p.rounding)
-        return emit_mean(sb, mean, layer, sources, dst, clamp=p.clamp)
-    (src,) = sources
-    g = LayerGeometry.of(p)
-    plan = plan_layer(p, sb.config)
-    opcode = Opcode.MAX_POOL2D if p.op == NpuOp.MAX_POOL2D else Opcode.AVG_POOL2D
-    qparams = (dict(rounding=p.rounding, input_scale=p.input_scale, input_zero_point=p.input_zero_point,
-                    output_scale=p.output_scale, output_zero_point=p.output_zero_point)
-               if opcode == Opcode.AVG_POOL2D and p.rounding == Rounding.ONNXRUNTIME else {})
-    for c0 in range(0, g.out_channels, plan.channel_tile):
-        ct = min(plan.channel_tile, g.out_channels - c0)
-        for oy0 in range(0, g.out_height, plan.row_tile):
-            oy1 = min(g.out_height, oy0 + plan.row_tile)
-            iy0, iy1, pad_top, pad_bottom = g.input_rows(oy0, oy1)
-            sb.feature_dma(layer, src, iy0 * g.width, (iy1 - iy0) * g.width, g.in_channels, c0, ct,
-                           plan.ifm_address, to_sram=True)
-            op = Pooling(ifm=FeatureMap(plan.ifm_address, iy1 - iy0, g.width, ct),
-                         ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct),
-                         kernel_h=g.kernel[0], kernel_w=g.kernel[1], stride_h=g.strides[0],
-                         stride_w=g.strides[1], pad_top=pad_top, pad_left=g.padding[1],
-                         pad_bottom=pad_bottom, pad_right=g.padding[3], act_min=p.clamp[0], act_max=p.clamp[1],
-                         **qparams)
-            sb.commands.append(Command(opcode, op, layer))
-            sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
-                           plan.ofm_address, to_sram=False)
-
-
-def emit_reshape(sb: StreamBuilder, p: ReshapeParams, layer: str, sources: list[int], dst: int) -> None:
-    """A reshape moves the bytes unchanged; they pass through SRAM in chunks."""
-    (src,) = sources
-    chunk = plan_copy(p, sb.config)
-    total = int(np.prod(p.ifm_shape))
-    for start in range(0, total, chunk):
-        count = min(chunk, total - start)
-        sb.dma(layer, src, start, 0, count)
-        sb.dma(layer, dst, start, 0, count, to_sram=False)
-
-
-def emit_lut(sb: StreamBuilder, p: LutParams, layer: str, sources: list[int], dst: int) -> None:
-    """Load the operator's table once, then look up the input chunk by chunk."""
-    (src,) = sources
-    plan = plan_lut(p, sb.config)
-    table = sb.add_buffer(f"{layer}.table", BufferKind.CONSTANT, (256,), data=lut_table(p).tobytes())
-    sb.dma(layer, table, 0, plan.table_address, 256)
-    total = int(np.prod(p.shape))
-    for start in range(0, total, plan.chunk):
-        count = min(plan.chunk, total - start)
-        sb.dma(layer, src, start, plan.ifm_address, count)
-        op = TableLookup(ifm=FeatureMap(plan.ifm_address, 1, count, 1), ofm=FeatureMap(plan.ofm_address, 1, count, 1),
-                         table_address=plan.table_address)
-        sb.commands.append(Command(Opcode.LUT, op, layer))
-        sb.dma(layer, dst, start, plan.ofm_address, count, to_sram=False)
-
-
-def emit_concat(sb: StreamBuilder, p: ConcatParams, layer: str, sources: list[int], dst: int) -> None:
-    """Each input's rows go through SRAM into their slice of the output's rows (strided DMA)."""
-    rows = int(np.prod(p.ofm_shape[:p.axis]))
-    out_row = int(np.prod(p.ofm_shape[p.axis:]))
-    for src, (row_bytes, chunk, offset) in zip(sources, plan_concat(p, sb.config)):
-        for r0 in range(0, rows, chunk):
-            count = min(chunk, rows - r0)
-            sb.dma(layer, src, r0 * row_bytes, 0, row_bytes, rows=count, dram_stride=row_bytes,
-                   sram_stride=row_bytes)
-            sb.dma(layer, dst, r0 * out_row + offset, 0, row_bytes, rows=count, dram_stride=out_row,
-                   sram_stride=row_bytes, to_sram=False)
-
-
-def emit_pad(sb: StreamBuilder, p: PadParams, layer: str, sources: list[int], dst: int) -> None:
-    """Stripes of output rows: fill from a constant of pad values, drop the input rows in, store."""
-    (src,) = sources
-    _, height, width, channels = p.ifm_shape
-    top, left, bottom, right = p.padding
-    out_row, in_row = (width + left + right) * channels, width * channels
-    stripe = plan_pad(p, sb.config)
-    fill = sb.add_buffer(f"{layer}.fill", BufferKind.CONSTANT, (stripe * out_row,),
-                         data=np.full(stripe * out_row, p.pad_value, dtype=np.int8).tobytes())
-    total_rows = height + top + bottom
-    for r0 in range(0, total_rows, stripe):
-        r1 = min(total_rows, r0 + stripe)
-        sb.dma(layer, fill, 0, 0, (r1 - r0) * out_row)
-        first, last = max(r0, top), min(r1, top + height)  # output rows that hold input rows
-        if first < last:
-            sb.dma(layer, src, (first - top) * in_row, (first - r0) * out_row + left * channels, in_row,
-                   rows=last - first, dram_stride=in_row, sram_stride=out_row)
-        sb.dma(layer, dst, r0 * out_row, 0, (r1 - r0) * out_row, to_sram=False)
-
-
-def emit_transpose(sb: StreamBuilder, p: TransposeParams, layer: str, sources: list[int], dst: int) -> None:
-    """A 2-D transpose by strided DMA: the output is the source matrix's columns, one after another.
-
-    Along the shorter side: with fewer rows, load whole rows and scatter each
-    into a column of the output (one byte per DMA row, output stride = rows);
-    with fewer columns, gather each column into SRAM and store them contiguously.
-    """
-    (src,) = sources
-    rows, columns = p.matrix
-    chunk = plan_transpose(p, sb.config)
-    if rows <= columns:
-        for r0 in range(0, rows, chunk):
-            count = min(chunk, rows - r0)
-            sb.dma(layer, src, r0 * columns, 0, count * columns)
-            for r in range(r0, r0 + count):
-                sb.dma(layer, dst, r, (r - r0) * columns, 1, rows=columns, dram_stride=rows, sram_stride=1,
-                       to_sram=False)
-    else:
-        for c0 in range(0, columns, chunk):
-            count = min(chunk, columns - c0)
-            for c in range(c0, c0 + count):
-                sb.dma(layer, src, c, (c - c0) * rows, 1, rows=rows, dram_stride=columns, sram_stride=1)
-            sb.dma(layer, dst, c0 * rows, 0, count * rows, to_sram=False)
-
-
-def emit_strided_slice(sb: StreamBuilder, p: SliceParams, layer: str, sources: list[int], dst: int) -> None:
-    """Gather output rows into SRAM with strided DMA (one transfer per row, or per pixel when channels
-    are strided too), then store each stripe contiguously."""
-    (src,) = sources
-    _, height, width, channels = p.ifm_shape
-    _, out_h, out_w, out_c = p.ofm_shape
-    _, b_h, b_w, b_c = p.begin
-    _, s_h, s_w, s_c = p.strides
-    stripe = plan_slice(p, sb.config)
-    out_row = out_w * out_c
-    for r0 in range(0, out_h, stripe):
-        count = min(stripe, out_h - r0)
-        for r in range(r0, r0 + count):
-            first = ((b_h + r * s_h) * width + b_w) * channels + b_c
-            if s_c == 1:
-                sb.dma(layer, src, first, (r - r0) * out_row, out_c, rows=out_w, dram_stride=s_w * channels,
-                       sram_stride=out_c)
-            else:
-                for w in range(out_w):
-                    sb.dma(layer, src, first + w * s_w * channels, (r - r0) * out_row + w * out_c, 1, rows=out_c,
-                           dram_stride=s_c, sram_stride=1)
-        sb.dma(layer, dst, r0 * out_row, 0, count * out_row, to_sram=False)
-
-
-LOWERINGS = {
-    NpuOp.CONV2D: emit_conv,
-    NpuOp.DEPTHWISE_CONV2D: emit_conv,
-    NpuOp.FULLY_CONNECTED: emit_conv,
-    NpuOp.ADD: emit_elementwise,
-    NpuOp.SUBTRACT: emit_elementwise,
-    NpuOp.MULTIPLY: emit_elementwise,
-    NpuOp.SOFTMAX: emit_softmax,
-    NpuOp.TRANSPOSE: emit_transpose,
-    NpuOp.EXP: emit_lut,
-    NpuOp.GELU: emit_lut,
-    NpuOp.GELU_TANH: emit_lut,
-    NpuOp.STRIDED_SLICE: emit_strided_slice,
-    NpuOp.MEAN: emit_mean,
-    NpuOp.MAX_POOL2D: emit_pool,
-    NpuOp.AVG_POOL2D: emit_pool,
-    NpuOp.RESHAPE: emit_reshape,
-    NpuOp.SIGMOID: emit_lut,
-    NpuOp.TANH: emit_lut,
-    NpuOp.REQUANTIZE: emit_lut,
-    NpuOp.CONCAT: emit_concat,
-    NpuOp.PAD: emit_pad,
-    NpuOp.LEAKY_RELU: emit_lut,
-    NpuOp.HARD_SWISH: emit_lut,
-}
-"""How each canonical operator becomes commands; a missing entry is a compiler bug caught by tests."""
+def lower_layer(sb: StreamBuilder, p: NpuParams, layer: str, sources: list, dst: int) -> None:
+    """Append the commands of one layer; refuse a record its operator's rules reject on this hardware."""
+    definition = op_def(p.op)
+    reason = violation(definition, p, sb.config)
+    if reason is not None:
+        raise UnsupportedOpError(f"{layer} ({definition.composite}) cannot run on {sb.config.name}: {reason}")
+    definition.lower(sb, p, definition.plan(p, sb.config), definition.prepare(p), layer, sources, dst)
 
 
 def _shape_of(expr) -> tuple[int, ...]:
@@ -382,8 +45,8 @@ def _region_outputs(func: relax.Function, bindings: dict) -> list:
 
 
 def lower_region(func: relax.Function, symbol: str) -> CommandStream:
-    """Turn a merged NPU region into a command stream for the preset it was partitioned for."""
-    config = get_config(str(func.attrs[CONFIG_ATTR]))
+    """Turn a merged NPU region into a command stream for the hardware it was partitioned for."""
+    config = NpuConfig.from_json(str(func.attrs[CONFIG_ATTR]))
     sb = StreamBuilder(config)
     bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
     values: dict = {}
@@ -404,14 +67,14 @@ def lower_region(func: relax.Function, symbol: str) -> CommandStream:
             callee = bindings.get(value.op) if isinstance(value, relax.Call) else None
             if not isinstance(callee, relax.Function):
                 raise UnsupportedOpError(f"NPU region {symbol} holds a binding that is not a composite call")
-            params = from_attrs(callee.attrs)
+            params = decode_composite(callee.attrs)
             layer = f"{params.op.value}_{layer_index}"
             layer_index += 1
             if binding.var not in values:
                 values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, _shape_of(binding.var))
             sources = [values[value.args[int(i)]] if int(i) >= 0 else None for i in callee.attrs[OPERANDS_ATTR]]
-            LOWERINGS[params.op](sb, params, layer, sources, values[binding.var])
-    return CommandStream(name=symbol, config=config.name, buffers=tuple(sb.buffers),
+            lower_layer(sb, params, layer, sources, values[binding.var])
+    return CommandStream(name=symbol, config=config, buffers=tuple(sb.buffers),
                          commands=tuple(sb.commands))
 
 

@@ -1,7 +1,11 @@
-"""NPU pattern table, registered in TVM's pattern registry under the prefix ``npu``."""
+"""The front end of the NPU operators: graph patterns, extraction and the pattern-table machinery.
 
-from .table import (ENTRIES_BY_NAME, OPERATORS, PREFIX, PartitionContext, PatternEntry, Rejection,
-                    register_table, registered_patterns, table)
+Nothing here imports the codegen; which pattern and extraction serve which
+operator is said by :mod:`npu_backend.ops`.
+"""
 
-__all__ = ["ENTRIES_BY_NAME", "OPERATORS", "PREFIX", "PartitionContext", "PatternEntry", "Rejection",
-           "register_table", "registered_patterns", "table"]
+from .table import (PREFIX, Idiom, PartitionContext, Rejection, extract_params, register_table,
+                    registered_patterns, table)
+
+__all__ = ["PREFIX", "Idiom", "PartitionContext", "Rejection", "extract_params", "register_table",
+           "registered_patterns", "table"]

@@ -208,7 +208,7 @@ def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams
         rounding=Rounding.FLOAT64 if per_channel else Rounding.TFLITE_DOUBLE)
 
 
-def _elementwise(op: NpuOp, verb: str):
+def extract_elementwise(op: NpuOp, verb: str):
     """Extraction of a binary int8 operator: both inputs dequantized per tensor, same shape, requantized."""
 
     def extract(annotations: Mapping[str, relax.Expr]) -> ElementwiseParams:
@@ -231,11 +231,6 @@ def _elementwise(op: NpuOp, verb: str):
 
     extract.__doc__ = f"TFLite int8 {op.name}: {verb} of two same-shaped tensors."
     return extract
-
-
-extract_add = _elementwise(NpuOp.ADD, "add")
-extract_subtract = _elementwise(NpuOp.SUBTRACT, "subtract")
-extract_multiply = _elementwise(NpuOp.MULTIPLY, "multiply")
 
 
 def extract_mean(annotations: Mapping[str, relax.Expr]) -> MeanParams:
@@ -311,28 +306,14 @@ def _activation(annotations, op: NpuOp) -> LutParams:
                      output_scale=out_scale, output_zero_point=out_zp)
 
 
-def extract_sigmoid(annotations: Mapping[str, relax.Expr]) -> LutParams:
-    return _activation(annotations, NpuOp.SIGMOID)
+def extract_activation(op: NpuOp):
+    """Extraction of an elementwise activation between a dequantize and a quantize: a table look-up."""
 
+    def extract(annotations: Mapping[str, relax.Expr]) -> LutParams:
+        return _activation(annotations, op)
 
-def extract_exp(annotations: Mapping[str, relax.Expr]) -> LutParams:
-    return _activation(annotations, NpuOp.EXP)
-
-
-def extract_gelu(annotations: Mapping[str, relax.Expr]) -> LutParams:
-    return _activation(annotations, NpuOp.GELU)
-
-
-def extract_gelu_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
-    return _activation(annotations, NpuOp.GELU_TANH)
-
-
-def extract_tanh(annotations: Mapping[str, relax.Expr]) -> LutParams:
-    return _activation(annotations, NpuOp.TANH)
-
-
-def extract_requantize(annotations: Mapping[str, relax.Expr]) -> LutParams:
-    return _activation(annotations, NpuOp.REQUANTIZE)
+    extract.__doc__ = f"int8 {op.name} as a table: the input's and output's qparams."
+    return extract
 
 
 def extract_concat(annotations: Mapping[str, relax.Expr]) -> ConcatParams:
@@ -392,10 +373,6 @@ def extract_hard_swish(annotations: Mapping[str, relax.Expr]) -> LutParams:
     return _activation(annotations, NpuOp.HARD_SWISH)
 
 
-SOFTMAX_OUTPUT = (1.0 / 256, -128)
-"""TFLite's int8 SOFTMAX only exists with this output scale and zero point."""
-
-
 def extract_softmax(annotations: Mapping[str, relax.Expr]) -> SoftmaxParams:
     """int8 softmax over the last axis (TVM's importer spells TFLite SOFTMAX as QDQ around ``nn.softmax``)."""
     x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
@@ -403,9 +380,6 @@ def extract_softmax(annotations: Mapping[str, relax.Expr]) -> SoftmaxParams:
     axis = int(annotations["anchor"].attrs.axis)
     if axis % len(shape) != len(shape) - 1:
         raise UnsupportedOpError(f"softmax over axis {axis} is not over the last axis")
-    if (out_scale, out_zp) != (float(np.float32(SOFTMAX_OUTPUT[0])), SOFTMAX_OUTPUT[1]):
-        raise QParamError(f"int8 SOFTMAX needs output scale {SOFTMAX_OUTPUT[0]:g} and zero point "
-                          f"{SOFTMAX_OUTPUT[1]}, got {out_scale:g} and {out_zp}")
     return SoftmaxParams(op=NpuOp.SOFTMAX, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
                          output_scale=out_scale, output_zero_point=out_zp)
 

@@ -29,9 +29,10 @@ from tvm.relax.dpl.pattern import is_const, is_op, wildcard
 
 from simulator.numerics import Rounding
 
-from ..codegen.multipliers import conv_multipliers
 from ..errors import QParamError, UnsupportedOpError
 from ..params import ConvParams, NpuOp
+from ..prepare import conv_multipliers
+from .builders import integer_accumulator
 from .extract import _const, _dtype, _shape
 
 QPARAM_ROLES = ("input", "output")
@@ -40,23 +41,15 @@ QPARAM_ROLES = ("input", "output")
 
 def fixed_point_pattern(op_name: str):
     def build(with_clip: bool):
-        x = wildcard()
-        widened = is_op("relax.astype")(x)
-        input_zp = is_const()
-        centred = is_op("relax.subtract")(widened, input_zp)
-        weight = is_const()
-        anchor = is_op(op_name)(centred | widened, is_op("relax.astype")(weight) | weight)
-        bias = is_const()
-        acc = is_op("relax.add")(anchor, bias) | anchor
+        acc, names = integer_accumulator((op_name,))
         multiplier, rounding_bias, shift, zero_point = is_const(), is_const(), is_const(), is_const()
         product = is_op("relax.multiply")(is_op("relax.astype")(acc), multiplier)
         shifted = is_op("relax.right_shift")(is_op("relax.add")(product, rounding_bias), shift)
         offset = is_op("relax.add")(is_op("relax.astype")(shifted), zero_point)
         clip = is_op("relax.clip")(offset, wildcard(), wildcard())
         output = is_op("relax.astype")(clip)
-        return output, dict(input=x, input_zp=input_zp, centred=centred, weight=weight, anchor=anchor, bias=bias,
-                            multiplier=multiplier, rounding_bias=rounding_bias, shift=shift, zero_point=zero_point,
-                            clip=clip, output=output)
+        return output, dict(names, multiplier=multiplier, rounding_bias=rounding_bias, shift=shift,
+                            zero_point=zero_point, clip=clip, output=output)
 
     build.__doc__ = f"{op_name} on int32 data, requantized by an explicit fixed-point chain (single rounding)."
     return build

@@ -106,7 +106,18 @@ class CommandStream(object):
         o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(14))
         return o == 0
 
-def CommandStreamStart(builder): builder.StartObject(6)
+    # CommandStream
+    def Hardware(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(16))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .HardwareConfig import HardwareConfig
+            obj = HardwareConfig()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def CommandStreamStart(builder): builder.StartObject(7)
 def Start(builder):
     return CommandStreamStart(builder)
 def CommandStreamAddVersionMajor(builder, versionMajor): builder.PrependUint16Slot(0, versionMajor, 0)
@@ -133,6 +144,9 @@ def AddCommands(builder, commands):
 def CommandStreamStartCommandsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
 def StartCommandsVector(builder, numElems):
     return CommandStreamStartCommandsVector(builder, numElems)
+def CommandStreamAddHardware(builder, hardware): builder.PrependUOffsetTRelativeSlot(6, flatbuffers.number_types.UOffsetTFlags.py_type(hardware), 0)
+def AddHardware(builder, hardware):
+    return CommandStreamAddHardware(builder, hardware)
 def CommandStreamEnd(builder): return builder.EndObject()
 def End(builder):
     return CommandStreamEnd(builder)

@@ -1,4 +1,8 @@
-"""Tiling and SRAM planning of one layer.
+"""Tiling and SRAM planning of one layer: the one answer to "does it fit, and how?".
+
+It sits below the pattern table and the codegen: the legality check asks an
+operator's planner whether the layer can be tiled at all, and the lowering
+receives the same plan.
 
 Elementwise additions are planned as flat chunks of elements (two inputs and
 the output in SRAM at once); spatial means as channel tiles holding the whole
@@ -20,12 +24,11 @@ from dataclasses import dataclass
 
 from simulator.config import NpuConfig
 from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
+from simulator.numerics import Rounding
 
-from ..errors import UnsupportedOpError
-from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                      PoolParams, ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
-
-SRAM_ALIGN = 16
+from .errors import UnsupportedOpError
+from .params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams,
+                     PoolParams, ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
 
 
 @dataclass(frozen=True)
@@ -91,11 +94,15 @@ class TilePlan:
     sram_used: int
 
 
-def _align(value: int) -> int:
-    return (value + SRAM_ALIGN - 1) // SRAM_ALIGN * SRAM_ALIGN
+def _align(value: int, config: NpuConfig) -> int:
+    return (value + config.sram_align - 1) // config.sram_align * config.sram_align
 
 
-def _layout(g: LayerGeometry, channels: int, rows: int) -> TilePlan:
+def _align_down(value: int, config: NpuConfig) -> int:
+    return value // config.sram_align * config.sram_align
+
+
+def _layout(g: LayerGeometry, channels: int, rows: int, config: NpuConfig) -> TilePlan:
     in_rows = (rows - 1) * g.strides[0] + g.dilation[0] * (g.kernel[0] - 1) + 1
     in_channels = channels if g.depthwise else g.in_channels
     sizes = (g.weight_bytes(channels), g.scale_bias_bytes(channels),
@@ -103,7 +110,7 @@ def _layout(g: LayerGeometry, channels: int, rows: int) -> TilePlan:
     addresses, cursor = [], 0
     for size in sizes:
         addresses.append(cursor)
-        cursor = _align(cursor + size)
+        cursor = _align(cursor + size, config)
     return TilePlan(channels, rows, *addresses, sram_used=cursor)
 
 
@@ -120,7 +127,7 @@ def plan_layer(p: ConvParams | PoolParams, config: NpuConfig) -> TilePlan:
         low, high, best = 1, g.out_height, None
         while low <= high:  # SRAM use grows with rows: binary search the largest stripe
             mid = (low + high) // 2
-            plan = _layout(g, channels, mid)
+            plan = _layout(g, channels, mid, config)
             if plan.sram_used <= config.sram_bytes:
                 best, low = plan, mid + 1
             else:
@@ -131,6 +138,27 @@ def plan_layer(p: ConvParams | PoolParams, config: NpuConfig) -> TilePlan:
             raise UnsupportedOpError(f"one output row of one channel needs more than the "
                                      f"{config.sram_bytes}-byte SRAM, so the layer cannot be tiled")
         splits *= 2
+
+
+def as_global_mean(p: PoolParams) -> MeanParams | None:
+    """An onnxruntime average pool whose window is the whole input (stride 1, no padding), as a MEAN.
+
+    MLAS runs it with its global kernel (four lane sums), not the windowed one,
+    so it is lowered as the MEAN unit's onnxruntime mean, which sums in that order.
+    """
+    _, height, width, _ = p.ifm_shape
+    if not (p.op == NpuOp.AVG_POOL2D and p.rounding == Rounding.ONNXRUNTIME and tuple(p.kernel) == (height, width)
+            and tuple(p.strides) == (1, 1) and not any(p.padding)):
+        return None
+    return MeanParams(op=NpuOp.MEAN, ifm_shape=p.ifm_shape, ofm_shape=p.ofm_shape, input_scale=p.input_scale,
+                      input_zero_point=p.input_zero_point, output_scale=p.output_scale,
+                      output_zero_point=p.output_zero_point, rounding=p.rounding)
+
+
+def plan_pool(p: PoolParams, config: NpuConfig) -> "TilePlan | MeanPlan":
+    """A pooling layer tiles like a depthwise one, except onnxruntime's global average (a MEAN)."""
+    mean = as_global_mean(p)
+    return plan_mean(mean, config) if mean is not None else plan_layer(p, config)
 
 
 @dataclass(frozen=True)
@@ -151,10 +179,10 @@ class MeanPlan:
 def plan_elementwise(p: ElementwiseParams, config: NpuConfig) -> ElementwisePlan:
     """Largest element chunk such that both inputs and the output fit side by side."""
     total = math.prod(p.shape)
-    chunk = min(total, (config.sram_bytes // 3) // SRAM_ALIGN * SRAM_ALIGN)
+    chunk = min(total, _align_down(config.sram_bytes // 3, config))
     if chunk < 1:
         raise UnsupportedOpError(f"the {config.sram_bytes}-byte SRAM cannot hold three elementwise operands")
-    stride = _align(chunk)
+    stride = _align(chunk, config)
     return ElementwisePlan(chunk, 0, stride, 2 * stride)
 
 
@@ -169,21 +197,21 @@ class SoftmaxPlan:
 def plan_softmax(p: SoftmaxParams, config: NpuConfig) -> SoftmaxPlan:
     """Most whole rows whose input and output fit side by side (a row is never split: its sum needs all of it)."""
     depth, rows = p.shape[-1], math.prod(p.shape[:-1])
-    chunk = min(rows, (config.sram_bytes // 2 - SRAM_ALIGN) // depth)
+    chunk = min(rows, (config.sram_bytes // 2 - config.sram_align) // depth)
     if chunk < 1:
         raise UnsupportedOpError(f"a softmax row of {depth} elements and its output do not fit the "
                                  f"{config.sram_bytes}-byte SRAM")
-    return SoftmaxPlan(chunk, 0, _align(chunk * depth))
+    return SoftmaxPlan(chunk, 0, _align(chunk * depth, config))
 
 
 def plan_mean(p: MeanParams, config: NpuConfig) -> MeanPlan:
     """Most channels whose whole spatial extent (plus one output byte each) fits in SRAM."""
     _, height, width, channels = p.ifm_shape
-    tile = min(channels, (config.sram_bytes - SRAM_ALIGN) // (height * width + 1))
+    tile = min(channels, (config.sram_bytes - config.sram_align) // (height * width + 1))
     if tile < 1:
         raise UnsupportedOpError(f"one {height}x{width} channel does not fit the {config.sram_bytes}-byte SRAM, "
                                  "so the mean cannot be tiled")
-    return MeanPlan(tile, 0, _align(tile * height * width))
+    return MeanPlan(tile, 0, _align(tile * height * width, config))
 
 
 def plan_copy(p: ReshapeParams, config: NpuConfig) -> int:
@@ -199,13 +227,20 @@ class LutPlan:
     ofm_address: int
 
 
+INT8_TABLE_ENTRIES = 256
+"""An int8 input indexes a table of 256 entries."""
+
+
 def plan_lut(p: LutParams, config: NpuConfig) -> LutPlan:
-    """The 256-byte table, then input and output chunks of equal size."""
-    table = _align(256)
-    chunk = min(math.prod(p.shape), ((config.sram_bytes - table) // 2) // SRAM_ALIGN * SRAM_ALIGN)
+    """The table, then input and output chunks of equal size."""
+    if config.lut_entries != INT8_TABLE_ENTRIES:
+        raise UnsupportedOpError(f"an int8 table needs {INT8_TABLE_ENTRIES} entries; {config.name}'s look-up "
+                                 f"table has {config.lut_entries}")
+    table = _align(config.lut_entries, config)
+    chunk = min(math.prod(p.shape), _align_down((config.sram_bytes - table) // 2, config))
     if chunk < 1:
         raise UnsupportedOpError(f"the {config.sram_bytes}-byte SRAM cannot hold a look-up table and its operands")
-    return LutPlan(chunk, 0, table, table + _align(chunk))
+    return LutPlan(chunk, 0, table, table + _align(chunk, config))
 
 
 def plan_concat(p: ConcatParams, config: NpuConfig) -> list[tuple[int, int, int]]:
@@ -251,14 +286,3 @@ def plan_slice(p: SliceParams, config: NpuConfig) -> int:
     if rows < 1:
         raise UnsupportedOpError(f"a {width * channels}-byte output row does not fit the {config.sram_bytes}-byte SRAM")
     return min(rows, p.ofm_shape[1])
-
-
-PLANNERS = {ConvParams: plan_layer, ElementwiseParams: plan_elementwise, MeanParams: plan_mean, PoolParams: plan_layer,
-            ReshapeParams: plan_copy, LutParams: plan_lut, ConcatParams: plan_concat,
-            PadParams: plan_pad, SoftmaxParams: plan_softmax, TransposeParams: plan_transpose,
-            SliceParams: plan_slice}
-
-
-def plan(p: NpuParams, config: NpuConfig):
-    """The tiling of any NPU operator (the check and the lowering both call this)."""
-    return PLANNERS[type(p)](p, config)

@@ -1,20 +1,24 @@
-"""Hardware rules of the NPU operators.
+"""Hardware rules of the NPU operators, and the one legality check built from them.
 
 Each rule is a small function of (params, config) returning ``None`` when the
 operator is legal, or the reason it stays on the host; the reason is what the
 partition report shows the user. The limits come from the ``NpuConfig``.
+
+:func:`violation` is what both the pattern check (partition time) and the
+lowering (codegen time) ask: an operator's own rules, its fixed output
+qparams, whether its constants can be prepared and whether its planner can
+tile it, so that nothing the codegen would refuse is ever offloaded.
 """
 
 from __future__ import annotations
 
-from simulator.config import NpuConfig
+import numpy as np
 
-from ..codegen.multipliers import derive_multipliers
-from ..codegen.plan import plan
-from ..errors import NpuError
+from simulator.config import NpuConfig
 from simulator.numerics import Rounding
 
-from ..params import ConvParams, NpuParams, PoolParams
+from .errors import NpuError
+from .params import ConvParams, NpuParams, PoolParams
 
 
 def kernel_fits(p: ConvParams, config: NpuConfig) -> str | None:
@@ -57,48 +61,48 @@ def padding_within_window(p: ConvParams, config: NpuConfig) -> str | None:
     return None
 
 
-def tiles_fit_sram(p: NpuParams, config: NpuConfig) -> str | None:
-    try:
-        plan(p, config)
-    except NpuError as exc:
-        return str(exc)
-    return None
-
-
-def multipliers_representable(p: NpuParams, config: NpuConfig) -> str | None:
-    try:
-        derive_multipliers(p)
-    except NpuError as exc:
-        return str(exc)
-    return None
-
-
-CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window, multipliers_representable,
-              tiles_fit_sram)
-"""Rules shared by conv2d, depthwise conv2d and fully connected (as a 1x1 layer)."""
-
-
-ELEMENTWISE_RULES = (multipliers_representable, tiles_fit_sram)
-"""Rules of elementwise, mean and table operators."""
-
-POOL_RULES = (pool_kernel_fits, stride_fits, padding_within_window, pool_requantization_supported,
-              multipliers_representable, tiles_fit_sram)
-"""Rules of pooling."""
-
-
-def tflite_softmax_only(p, config: NpuConfig) -> str | None:
+def tflite_kernel_only(p, config: NpuConfig) -> str | None:
     if p.rounding == Rounding.ONNXRUNTIME:
         return ("the NPU's softmax is TFLite's fixed-point kernel; onnxruntime's float32 softmax differs from it "
                 "on a few outputs in 100,000")
     return None
 
 
-SOFTMAX_RULES = (tflite_softmax_only, *ELEMENTWISE_RULES)
+CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window)
+"""Rules of conv2d, depthwise conv2d and fully connected (as a 1x1 layer)."""
+
+POOL_RULES = (pool_kernel_fits, stride_fits, padding_within_window, pool_requantization_supported)
+"""Rules of pooling."""
 
 
-def first_violation(p: NpuParams, config: NpuConfig, rules=CONV_RULES) -> str | None:
-    for rule in rules:
+def _fixed_output(definition, p) -> str | None:
+    """TFLite's int8 kernels of some operators exist only for one output scale and zero point."""
+    fixed = definition.fixed_output
+    if fixed is None or p.rounding == Rounding.ONNXRUNTIME:
+        return None
+    scale, zero_point = float(fixed[0]), fixed[1]
+    if (p.output_scale, p.output_zero_point) != (float(np.float32(scale)), zero_point):
+        return (f"int8 {definition.op.name} needs output scale {scale:g} and zero point {zero_point}, got "
+                f"{p.output_scale:g} and {p.output_zero_point}")
+    return None
+
+
+def violation(definition, p: NpuParams, config: NpuConfig) -> str | None:
+    """Why ``p`` cannot run on ``config`` (the first reason), or ``None`` when it can.
+
+    ``definition`` is the operator's :class:`npu_backend.ops.OpDef`: its rules,
+    fixed output qparams, preparation and planner.
+    """
+    for rule in definition.rules:
         reason = rule(p, config)
         if reason is not None:
             return reason
+    reason = _fixed_output(definition, p)
+    if reason is not None:
+        return reason
+    try:
+        definition.prepare(p)
+        definition.plan(p, config)
+    except NpuError as exc:
+        return str(exc)
     return None

@@ -1,0 +1,83 @@
+"""The opcode table: one record per opcode, the only place that says what each opcode is.
+
+The encoder and decoder read the payload type and its schema slot from it, the
+validator its legality rule, the machine its kernel and its cost. Nothing else
+enumerates opcodes, so a new opcode is one row here plus its functions, and an
+opcode without a row is a clean ``StreamError``, never a silent default.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from . import command_checks as checks
+from . import cycles, kernels
+from .errors import StreamError
+from .isa import Convolution, DmaCopy, Elementwise, Opcode, Pooling, Reduction, Softmax, TableLookup
+
+
+class Unit(str, Enum):
+    """The engine that executes an opcode."""
+
+    DMA = "dma"
+    MAC_ARRAY = "mac_array"
+    ELEMENTWISE = "elementwise"
+    POOLING = "pooling"
+    OUTPUT_STAGE = "output_stage"
+    """Requantization, clamp and the look-up table: what a LUT command uses on its own."""
+    SOFTMAX = "softmax"
+
+
+@dataclass(frozen=True)
+class OpcodeDef:
+    opcode: Opcode
+    payload: type
+    slot: str
+    """Field of the schema's ``Command`` table that holds the payload."""
+    unit: Unit
+    validate: Callable
+    """(stream, config, opcode, payload, where) -> None, raising ``StreamError``."""
+    execute: Callable
+    """(machine state, opcode, payload, config) -> None: the bit-exact kernel."""
+    cost: Callable
+    """(opcode, payload, config) -> :class:`simulator.cycles.CommandCost`."""
+
+
+OPCODES: dict[Opcode, OpcodeDef] = {d.opcode: d for d in (
+    OpcodeDef(Opcode.DMA_COPY, DmaCopy, "dma", Unit.DMA, checks.check_dma, kernels.run_dma, cycles.dma_cost),
+    OpcodeDef(Opcode.CONV2D, Convolution, "conv", Unit.MAC_ARRAY, checks.check_convolution, kernels.run_conv2d,
+              cycles.conv2d_cost),
+    OpcodeDef(Opcode.DEPTHWISE_CONV2D, Convolution, "conv", Unit.MAC_ARRAY, checks.check_convolution,
+              kernels.run_depthwise_conv2d, cycles.depthwise_cost),
+    OpcodeDef(Opcode.FULLY_CONNECTED, Convolution, "conv", Unit.MAC_ARRAY, checks.check_convolution,
+              kernels.run_fully_connected, cycles.fully_connected_cost),
+    OpcodeDef(Opcode.ADD, Elementwise, "elementwise", Unit.ELEMENTWISE, checks.check_elementwise,
+              kernels.run_elementwise, cycles.elementwise_cost),
+    OpcodeDef(Opcode.SUB, Elementwise, "elementwise", Unit.ELEMENTWISE, checks.check_elementwise,
+              kernels.run_elementwise, cycles.elementwise_cost),
+    OpcodeDef(Opcode.MUL, Elementwise, "elementwise", Unit.ELEMENTWISE, checks.check_elementwise,
+              kernels.run_elementwise, cycles.elementwise_cost),
+    OpcodeDef(Opcode.MEAN, Reduction, "reduction", Unit.MAC_ARRAY, checks.check_reduction, kernels.run_mean,
+              cycles.mean_cost),
+    OpcodeDef(Opcode.MAX_POOL2D, Pooling, "pooling", Unit.POOLING, checks.check_pooling, kernels.run_max_pool,
+              cycles.pool_cost),
+    OpcodeDef(Opcode.AVG_POOL2D, Pooling, "pooling", Unit.POOLING, checks.check_pooling, kernels.run_avg_pool,
+              cycles.pool_cost),
+    OpcodeDef(Opcode.LUT, TableLookup, "lut", Unit.OUTPUT_STAGE, checks.check_lut, kernels.run_lut, cycles.lut_cost),
+    OpcodeDef(Opcode.SOFTMAX, Softmax, "softmax", Unit.SOFTMAX, checks.check_softmax, kernels.run_softmax,
+              cycles.softmax_cost),
+)}
+
+
+def opcode_def(opcode: Opcode) -> OpcodeDef:
+    """The record of ``opcode``; an opcode the table lacks is a stream this simulator cannot run."""
+    try:
+        return OPCODES[opcode]
+    except KeyError:
+        raise StreamError(f"opcode {getattr(opcode, 'name', opcode)} has no definition in the opcode table") from None
+
+
+PAYLOAD_SLOTS: dict[type, str] = {d.payload: d.slot for d in OPCODES.values()}
+"""Payload type -> schema slot (several opcodes share a payload, never with different slots)."""
