@@ -131,6 +131,7 @@ OPS: tuple[OpDef, ...] = (
            prepare.onnxruntime_function(mlas.hard_swish), extract=x.extract_hard_swish),
     _table(NpuOp.LEAKY_RELU, b.activation_pattern("relax.nn.leakyrelu"), prepare.tflite_leaky_relu,
            prepare.onnxruntime_leaky_relu, extract=x.extract_leaky_relu),
+    _table(NpuOp.ELU, b.elu_pattern, prepare.populated(tables.tflite_elu), extract=x.extract_elu),
     _table(NpuOp.REQUANTIZE, b.requantize_pattern, prepare.with_qparams(tables.requantize_table),
            prepare.onnxruntime_function(np.float32)),
     OpDef(NpuOp.SOFTMAX, SoftmaxParams, (_idiom(b.activation_pattern("relax.nn.softmax"), x.extract_softmax, False),),

@@ -79,6 +79,7 @@ class NpuOp(str, Enum):
     STRIDED_SLICE = "strided_slice"
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
+    ELU = "elu"
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,8 @@
 Why: the backend must be bit-exact against TFLite's reference kernels, but the
 test suite must not depend on TensorFlow. This script builds small full-integer
 int8 models with random (untrained, seeded) weights, runs LiteRT's BUILTIN_REF
-interpreter on seeded random int8 inputs, and stores each model next to its
+interpreter (for ELU, which it lacks, TFLite's one ELU kernel: see NOT_IN_BUILTIN_REF)
+on seeded random int8 inputs, and stores each model next to its
 inputs, reference outputs and I/O quantization parameters (`<name>.npz`), plus
 a MANIFEST.json that the tests parametrize over.
 
@@ -48,15 +49,19 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 import numpy as np
 import tensorflow as tf
 from ai_edge_litert.interpreter import Interpreter, OpResolverType
+from tensorflow.lite.python import schema_py_generated as schema
+from tensorflow.lite.python.schema_util import get_builtin_code_from_operator_code
+from tensorflow.lite.tools import flatbuffer_utils
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tflite"
 SAMPLES = 8
 CALIBRATION_SAMPLES = 20
 BN_BATCH = 16
 MAC_OPS = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"}
-TVM_REJECTS = {"PAD", "STRIDED_SLICE", "GELU"}
+TVM_REJECTS = {"PAD", "STRIDED_SLICE", "GELU", "ELU"}
 """Quantized ops TVM 0.27's TFLite importer refuses ("not supported in frontend TFLite yet"); their fixtures
-test the error path, not the NPU."""
+test the error path, not the NPU. (Its convert_elu would apply exp to the int8 tensor, but the importer's check
+for quantized operators without QDQ lowering rejects the model first.)"""
 ACTIVATIONS: dict[str | None, Callable | None] = {None: None, "relu": tf.nn.relu, "relu6": tf.nn.relu6}
 # If a random-weight network's outputs move less than this (mean std across the
 # sample inputs, in int8 steps), they barely depend on the input: the network
@@ -72,6 +77,17 @@ MAX_SOFTMAX_INPUT_SCALE = 0.1
 # (Not checked with one input: an op such as CONCATENATION may impose its own
 # qparams on the model input, as in concat_branches.)
 INPUT_SCALE_TOLERANCE = 0.03
+
+CONVERTER_KEEPS_FLOAT = {"ELU"}
+"""Ops TFLite runs in int8 (ELU: a LUTPopulate table, activations.cc) that the converter (TF 2.21, old and new
+quantizer alike) still leaves in float, as DEQUANTIZE -> float op -> QUANTIZE; convert() makes them int8 (see
+quantize_float_op)."""
+
+NOT_IN_BUILTIN_REF = {"ELU"}
+"""Ops LiteRT's BUILTIN_REF resolver does not register (it refuses the model: "Didn't find op for builtin opcode
+'ELU'"). Their models run on the builtin resolver without the default (XNNPACK) delegate: TFLite has a single ELU
+kernel (activations.cc), whose int8 path is the LUTPopulate table whatever the kernel type, so the goldens are
+still TFLite's own int8 arithmetic, not XNNPACK's."""
 
 Range = float | tuple[float, float]
 """Calibration range of one input: r means uniform [-r, r], (lo, hi) means uniform [lo, hi]."""
@@ -95,7 +111,7 @@ class Spec:
     name: str
     kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" |
     #            "tanh" | "pad" | "leaky_relu" | "hard_swish" | "softmax" | "add" | "sub" | "mul" | "mean" |
-    #            "strided_slice" | "gelu" | "exp"
+    #            "strided_slice" | "gelu" | "exp" | "elu"
     input_shape: tuple[int, ...] = (12, 12, 8)  # without the batch dimension
     kernel: int = 3
     stride: int = 1
@@ -158,12 +174,14 @@ SPECS = [
     Spec("gelu", "gelu", (8, 8, 16), per_channel=False, calibration_range=4.0),
     Spec("gelu_approximate", "gelu", (8, 8, 16), per_channel=False, calibration_range=4.0, approximate=True),
     Spec("exp", "exp", (8, 8, 16), per_channel=False, calibration_range=(-4.0, 1.0)),
+    # Mostly negative: the int8 steps below zero carry the exponential, those above it are the identity.
+    Spec("elu", "elu", (8, 8, 16), per_channel=False, calibration_range=(-6.0, 4.0)),
 ]
 EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
                "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH",
                "pad": "PAD", "leaky_relu": "LEAKY_RELU", "hard_swish": "HARD_SWISH", "softmax": "SOFTMAX",
                "add": "ADD", "sub": "SUB", "mul": "MUL", "mean": "MEAN", "strided_slice": "STRIDED_SLICE",
-               "gelu": "GELU", "exp": "EXP"}
+               "gelu": "GELU", "exp": "EXP", "elu": "ELU"}
 ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh, "hard_swish": tf.keras.activations.hard_swish}
 POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
 BINARY = {"add": tf.keras.layers.Add, "sub": tf.keras.layers.Subtract, "mul": tf.keras.layers.Multiply}
@@ -205,6 +223,8 @@ def describe(spec: Spec) -> str:
         return f"GELU, {form}, on {shape}, calibrated on {show(spec.calibration_range)}"
     if spec.kind == "exp":
         return f"exp on {shape}, calibrated on {show(spec.calibration_range)}"
+    if spec.kind == "elu":
+        return f"ELU (alpha 1) on {shape}, calibrated on {show(spec.calibration_range)}"
     bias = "bias" if spec.use_bias else "no bias"
     return (f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} dilation {spec.dilation} "
             f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights")
@@ -241,6 +261,8 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
         layer = tf.keras.layers.Lambda(lambda x: tf.nn.gelu(x, approximate=spec.approximate))
     elif spec.kind == "exp":
         layer = tf.keras.layers.Lambda(tf.exp)
+    elif spec.kind == "elu":
+        layer = tf.keras.layers.Activation(tf.nn.elu)
     elif spec.kind == "conv2d":
         layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
     elif spec.kind == "depthwise_conv2d":
@@ -395,6 +417,7 @@ def convert(model: tf.keras.Model, seed: int, per_channel: bool,
 
     `_experimental_disable_per_channel` is private but is the only converter
     switch that gives per-tensor conv/depthwise weights, so check() verifies it took effect.
+    Ops in CONVERTER_KEEPS_FLOAT come back as the single int8 op (quantize_float_op).
     """
     shapes = [tuple(1 if d is None else d for d in t.shape) for t in model.inputs]
     assert len(shapes) == len(calibration_ranges), (model.name, shapes, calibration_ranges)
@@ -419,13 +442,64 @@ def convert(model: tf.keras.Model, seed: int, per_channel: bool,
         warnings.filterwarnings("ignore", "Statistics for quantized inputs were expected")
         # Calibrating on named inputs makes the converter use tf.lite.Interpreter, which warns it is deprecated.
         warnings.filterwarnings("ignore", r"\s*Warning: tf.lite.Interpreter is deprecated")
-        return converter.convert()
+        return quantize_float_op(converter.convert())
 
 
-def reference(path: Path, seed: int) -> dict[str, np.ndarray]:
+BUILTIN_NAMES = {code: name for name, code in vars(schema.BuiltinOperator).items() if not name.startswith("_")}
+
+
+def quantize_float_op(model_bytes: bytes) -> bytes:
+    """Turn a converted DEQUANTIZE -> op -> QUANTIZE model, op in CONVERTER_KEEPS_FLOAT, into the single int8 op.
+
+    Why: the fixtures need TFLite's int8 kernel of such an op, which the
+    converter never emits. The op is rewired to read the model's int8 input and
+    write its int8 output, so its qparams are exactly the calibrated ones the
+    converter gave the input (DEQUANTIZE) and the op's result (QUANTIZE); the
+    float tensors and the two unused operator codes are dropped, and the op
+    keeps its version 1 (TFLite registers ELU, float and int8, only as version
+    1). Any other model, including one where the converter has learnt to emit
+    the int8 op itself, is returned byte for byte; check() then fails loudly
+    on anything but the single expected op.
+    """
+    model = flatbuffer_utils.convert_bytearray_to_object(model_bytes)
+    (graph, *others) = model.subgraphs
+    codes = [BUILTIN_NAMES.get(get_builtin_code_from_operator_code(model.operatorCodes[op.opcodeIndex]))
+             for op in graph.operators]
+    if others or len(codes) != 3 or codes[0] != "DEQUANTIZE" or codes[2] != "QUANTIZE" or \
+            codes[1] not in CONVERTER_KEEPS_FLOAT:
+        return model_bytes
+    dequantize, op, quantize = graph.operators
+    (source,), (result,) = list(graph.inputs), list(graph.outputs)
+    chained = (list(dequantize.inputs) == [source] and list(op.inputs) == list(dequantize.outputs)
+               and list(quantize.inputs) == list(op.outputs) and list(quantize.outputs) == [result])
+    int8 = all(graph.tensors[i].type == schema.TensorType.INT8 for i in (source, result))
+    if not (chained and int8):
+        raise SystemExit(f"{codes[1]}: the converter's DEQUANTIZE -> {codes[1]} -> QUANTIZE is not a chain from the "
+                         "int8 model input to the int8 model output")
+    keep = sorted({source, result})
+    index = {old: new for new, old in enumerate(keep)}
+    graph.tensors = [graph.tensors[i] for i in keep]
+    graph.inputs, graph.outputs = [index[source]], [index[result]]
+    model.operatorCodes = [model.operatorCodes[op.opcodeIndex]]
+    op.opcodeIndex, op.inputs, op.outputs = 0, [index[source]], [index[result]]
+    graph.operators = [op]
+    for signature in model.signatureDefs or ():
+        for tensor_map in (*signature.inputs, *signature.outputs):
+            tensor_map.tensorIndex = index[tensor_map.tensorIndex]
+    return flatbuffer_utils.convert_object_to_bytearray(model)
+
+
+def reference_interpreter(path: Path, ops: list[str]) -> Interpreter:
+    """BUILTIN_REF, or for a model with an op it lacks, the builtin kernels without delegates (NOT_IN_BUILTIN_REF)."""
+    resolver = (OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES if NOT_IN_BUILTIN_REF & set(ops)
+                else OpResolverType.BUILTIN_REF)
+    return Interpreter(model_path=str(path), experimental_op_resolver_type=resolver)
+
+
+def reference(path: Path, seed: int, ops: list[str]) -> dict[str, np.ndarray]:
     """Seeded int8 inputs over the whole int8 range and BUILTIN_REF outputs, plus I/O quantization,
     keyed as the module docstring describes."""
-    interpreter = Interpreter(model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    interpreter = reference_interpreter(path, ops)
     interpreter.allocate_tensors()
     ins, (out,) = interpreter.get_input_details(), interpreter.get_output_details()
     rng = np.random.default_rng((seed, 1))
@@ -515,7 +589,7 @@ def write(name: str, kind: str, description: str, model: tf.keras.Model, per_cha
     check(name, found, per_channel, expected_ops, {t.name: r for t, r in zip(model.inputs, calibration_ranges)})
     if len(found.input_names) > 1:
         description += f"; the file's inputs in order: {', '.join(found.input_names)}"
-    golden = reference(path, seed)
+    golden = reference(path, seed, ops)
     np.savez_compressed(path.with_suffix(".npz"), **golden)
     outputs = golden["outputs"]
     print(f"{name:<36} {path.stat().st_size:>8} B  out {'x'.join(map(str, outputs.shape[1:])):<11} "
@@ -539,24 +613,46 @@ def check_network_outputs(name: str) -> None:
 
 SWEEP_NAME = "activation_tables"
 SWEEP_RANGES = (0.3, 1.5, 3.0, 7.0, 12.0, 25.0, 60.0)
+SWEEP_FUNCTIONS: dict[str, Callable] = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh,
+                                         "hard_swish": tf.keras.activations.hard_swish, "elu": tf.nn.elu}
+"""Swept in this order; new kinds go last, so the rows of the earlier ones keep their positions in the file."""
+
+
+def check_sweep_model(path: Path, kind: str) -> None:
+    """Fail loudly unless the swept model is the single builtin op with int8 input and output.
+
+    A table of anything else would not be that operator's table: e.g. a converter
+    that decomposed ELU into EXP, SUB, MINIMUM, ... (or left it in float) would
+    silently store the composition's rounding instead of the ELU kernel's.
+    """
+    interpreter = Interpreter(model_path=str(path))
+    tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
+    ops = interpreter._get_ops_details()
+    if [op["op_name"] for op in ops] != [EXPECTED_OP[kind]]:
+        raise SystemExit(f"{SWEEP_NAME} {kind}: expected a single {EXPECTED_OP[kind]}, converter produced "
+                         f"{[op['op_name'] for op in ops]}")
+    dtypes = [tensors[i]["dtype"] for i in (*ops[0]["inputs"], *ops[0]["outputs"])]
+    if any(dtype != np.int8 for dtype in dtypes):
+        raise SystemExit(f"{SWEEP_NAME} {kind}: {EXPECTED_OP[kind]} tensors are {dtypes}, not int8")
 
 
 def write_activation_sweep() -> None:
-    """LOGISTIC, TANH and HARD_SWISH of every int8 input under BUILTIN_REF, for input scales across two decades.
+    """LOGISTIC, TANH, HARD_SWISH and ELU of every int8 input under BUILTIN_REF (ELU: see NOT_IN_BUILTIN_REF),
+    for input scales across two decades.
 
     An elementwise int8 op is exactly its 256-entry table, so this is an
     exhaustive oracle for the NPU's look-up tables (tests/test_numerics.py).
     """
     rows = []
-    for kind, function in (("logistic", tf.nn.sigmoid), ("tanh", tf.nn.tanh),
-                           ("hard_swish", tf.keras.activations.hard_swish)):
+    for kind, function in SWEEP_FUNCTIONS.items():
         for calibration_range in SWEEP_RANGES:
             tf.keras.backend.clear_session()
             inputs = tf.keras.Input((256,), batch_size=1)
             model = tf.keras.Model(inputs, tf.keras.layers.Activation(function)(inputs))
             path = OUT / f"{SWEEP_NAME}.tflite"
             path.write_bytes(convert(model, seed_of(f"{kind}{calibration_range}"), False, (calibration_range,)))
-            interpreter = Interpreter(model_path=str(path), experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+            check_sweep_model(path, kind)
+            interpreter = reference_interpreter(path, [EXPECTED_OP[kind]])
             interpreter.allocate_tensors()
             (inp,), (out,) = interpreter.get_input_details(), interpreter.get_output_details()
             interpreter.set_tensor(inp["index"], np.arange(-128, 128, dtype=np.int8)[None])

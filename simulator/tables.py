@@ -132,6 +132,16 @@ def lut_populate(function, input_scale, input_zero_point, output_scale, output_z
     return np.clip(rounded + int(output_zero_point), -128, 127).astype(np.int8)
 
 
+def tflite_elu(x) -> np.ndarray:
+    """TFLite's int8 ELU transform (activations.cc, EluPrepare): ``x < 0 ? expm1(x) : x``.
+
+    Checked against TFLite's kernel on qparams chosen so that ``expm1`` and
+    ``exp(x) - 1`` give different tables: ``expm1`` it is.
+    """
+    x = np.asarray(x, dtype=np.float64)
+    return np.where(x < 0, np.expm1(np.minimum(x, 0)), x)
+
+
 def tflite_gelu(x) -> np.ndarray:
     """TFLite's ``GeluTransform`` in float32: ``0.5f * x * erfc(x * float(-sqrt(1/2)))``.
 

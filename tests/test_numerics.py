@@ -94,14 +94,17 @@ def test_activation_tables_track_the_real_functions():
 
 
 def test_activation_tables_equal_tflite_on_every_input_across_scales():
-    """Exhaustive oracle: BUILTIN_REF's LOGISTIC/TANH/HARD_SWISH of all 256 inputs at 7 input scales each."""
+    """Exhaustive oracle: BUILTIN_REF's LOGISTIC/TANH/HARD_SWISH of all 256 inputs at 7 input scales each, and
+    TFLite's ELU kernel (BUILTIN_REF has none; scripts/make_tflite_fixtures.py, NOT_IN_BUILTIN_REF)."""
     from conftest import FIXTURES
-    from simulator.tables import hard_swish_table, logistic_table, tanh_table
+    from simulator.tables import hard_swish_table, logistic_table, lut_populate, tanh_table, tflite_elu
 
     sweep = np.load(FIXTURES / "tflite" / "activation_tables.npz")
     generators = {"logistic": lambda s, z, so, zo: logistic_table(s, z),
-                  "tanh": lambda s, z, so, zo: tanh_table(s, z), "hard_swish": hard_swish_table}
-    assert len(sweep["kind"]) == 21
+                  "tanh": lambda s, z, so, zo: tanh_table(s, z), "hard_swish": hard_swish_table,
+                  "elu": lambda s, z, so, zo: lut_populate(tflite_elu, s, z, so, zo)}
+    kinds = [str(k) for k in sweep["kind"]]
+    assert {k: kinds.count(k) for k in generators} == dict.fromkeys(generators, 7)
     for kind, s, z, so, zo, table in zip(sweep["kind"], sweep["input_scale"], sweep["input_zero_point"],
                                          sweep["output_scale"], sweep["output_zero_point"], sweep["table"]):
         np.testing.assert_array_equal(generators[str(kind)](float(s), int(z), float(so), int(zo)), table,

@@ -46,7 +46,7 @@ def test_registry_order_puts_fused_activation_first():
                                "npu.fully_connected", "npu.add", "npu.subtract", "npu.multiply", "npu.mean",
                                *pools] + [
         "npu.reshape", "npu.sigmoid", "npu.tanh", "npu.exp", "npu.gelu", "npu.gelu_tanh",
-        "npu.hard_swish", "npu.leaky_relu", "npu.requantize",
+        "npu.hard_swish", "npu.leaky_relu", "npu.elu", "npu.requantize",
         "npu.softmax", "npu.transpose", "npu.strided_slice", "npu.pad"] + ["npu.concat"] * 5
     root_op = lambda e: str(e.pattern).split('name="', 1)[1].split('"', 1)[0]  # noqa: E731
     assert {root_op(e) for e in entries[:n]} == {"relax.clip"}
@@ -567,3 +567,52 @@ def test_gelu_table_equals_tflite(fixture, op):
     vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
     for x, want in zip(golden["inputs"], golden["outputs"]):
         np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), want)
+
+
+def _tvm_elu_module(q_in, q_out, alpha=-1.0, shape=(1, 8, 8, 16)):
+    """TVM's float spelling of TFLite ELU (convert_elu: -1 * relu(1 - exp(x)) + relu(x)) between a dequantize
+    and a quantize: the canonical QDQ form of int8 ELU (TVM's importer refuses the quantized operator)."""
+    from relax_idioms import f32, i32
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "int8"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            dx = bb.emit(relax.op.dequantize(x, f32(q_in[0]), i32(q_in[1]), axis=0))
+            e = bb.emit(relax.op.exp(dx))
+            d = bb.emit(relax.op.subtract(relax.const(1.0, "float32"), e))
+            r = bb.emit(relax.op.nn.relu(d))
+            m = bb.emit(relax.op.multiply(relax.const(alpha, "float32"), r))
+            p = bb.emit(relax.op.nn.relu(dx))
+            y = bb.emit(relax.op.add(m, p))
+            gv = bb.emit_output(relax.op.quantize(y, f32(q_out[0]), i32(q_out[1]), axis=0, out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_elu_table_equals_tflite():
+    """int8 ELU, a table operator added through its definition alone: offloaded whole as one npu.elu and equal
+    to TFLite's kernel on every stored element."""
+    from conftest import FIXTURES
+
+    golden = np.load(FIXTURES / "tflite" / "elu.npz")
+    q_in = (float(golden["input_scale"]), int(golden["input_zero_point"]))
+    q_out = (float(golden["output_scale"]), int(golden["output_zero_point"]))
+    mod = npu_backend.partition_for_npu(_tvm_elu_module(q_in, q_out))
+    (name, p), = composites(mod)
+    assert name == "npu.elu" and p.op == NpuOp.ELU
+    assert (p.input_scale, p.input_zero_point, p.output_scale, p.output_zero_point) == (*q_in, *q_out)
+    assert npu_backend.partition_report(mod).host_ops == []
+    assert len(np.unique(golden["inputs"])) == 256
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    for x, want in zip(golden["inputs"], golden["outputs"]):
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), want)
+
+
+def test_elu_of_another_alpha_stays_on_host():
+    """TFLite's ELU has alpha 1; -2 * relu(1 - exp(x)) + relu(x) is something else and is not matched as it."""
+    mod = npu_backend.partition_for_npu(_tvm_elu_module((0.04, 25), (0.02, -77), alpha=-2.0))
+    report = npu_backend.partition_report(mod)
+    assert "npu.elu" not in {op.composite for op in report.ops}
+    (add,) = [op for op in report.host_ops if op.op == "relax.add"]
+    assert add.reason == "npu.elu: not -relu(1 - exp(x)) + relu(x), an ELU of alpha 1"

@@ -170,6 +170,22 @@ def hard_swish_pattern(with_clip: bool):
                           quantize=quantize)
 
 
+def elu_pattern(with_clip: bool):
+    """quantize(-1 * relu(1 - exp(x)) + relu(x)) of x = dequantize(...): TVM's spelling of ELU (alpha 1).
+
+    As for hard swish, the canonical graph dequantizes once per use: x is two dequantizes of one int8 tensor.
+    """
+    x, input_dq = _dequantized_input()
+    input_dq2 = is_op("relax.dequantize")(x, is_const(), is_const())
+    one, minus_one = is_const(), is_const()
+    negative = is_op("relax.multiply")(
+        minus_one, is_op("relax.nn.relu")(is_op("relax.subtract")(one, is_op("relax.exp")(input_dq))))
+    elu = is_op("relax.add")(negative, is_op("relax.nn.relu")(input_dq2))
+    quantize = is_op("relax.quantize")(elu, is_const(), is_const())
+    return quantize, dict(input=x, input_dq=input_dq, input_dq2=input_dq2, one=one, minus_one=minus_one, anchor=elu,
+                          quantize=quantize)
+
+
 def requantize_pattern(with_clip: bool):
     """quantize(dequantize(x)) of int8 x: a standalone requantization (TFLite QUANTIZE int8 -> int8)."""
     x, input_dq = _dequantized_input()

@@ -360,17 +360,35 @@ def extract_leaky_relu(annotations: Mapping[str, relax.Expr]) -> LutParams:
                      alpha=float(np.float32(annotations["anchor"].attrs.alpha)))
 
 
-def extract_hard_swish(annotations: Mapping[str, relax.Expr]) -> LutParams:
-    """x * clip(x + 3, 0, 6) / 6, as TVM's importer spells HARD_SWISH; the constants must be those."""
-    three = _const(annotations["plus"].args[1], "hard swish offset")
-    six = _const(annotations["anchor"].args[1], "hard swish divisor")
-    low, high = (float(getattr(a.value, "value", a.value)) for a in annotations["relu6"].args[1:3])
-    if three.size != 1 or six.size != 1 or (float(three.reshape(-1)[0]), float(six.reshape(-1)[0]), low, high) != (
-            3.0, 6.0, 0.0, 6.0):
-        raise UnsupportedOpError("not x * relu6(x + 3) / 6")
+def _scalar(expr, what: str) -> float:
+    value = _const(expr, what)
+    if value.size != 1:
+        raise UnsupportedOpError(f"{what} is not a scalar")
+    return float(value.reshape(-1)[0])
+
+
+def _one_input(annotations) -> None:
+    """An idiom that uses x twice (dequantized once per use) must dequantize it the same way both times."""
     if _int8_qparams(annotations["input_dq"], "input") != _int8_qparams(annotations["input_dq2"], "input"):
         raise QParamError("the two uses of x are dequantized with different qparams")
+
+
+def extract_hard_swish(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    """x * clip(x + 3, 0, 6) / 6, as TVM's importer spells HARD_SWISH; the constants must be those."""
+    low, high = (float(getattr(a.value, "value", a.value)) for a in annotations["relu6"].args[1:3])
+    if (_scalar(annotations["plus"].args[1], "hard swish offset"),
+            _scalar(annotations["anchor"].args[1], "hard swish divisor"), low, high) != (3.0, 6.0, 0.0, 6.0):
+        raise UnsupportedOpError("not x * relu6(x + 3) / 6")
+    _one_input(annotations)
     return _activation(annotations, NpuOp.HARD_SWISH)
+
+
+def extract_elu(annotations: Mapping[str, relax.Expr]) -> LutParams:
+    """-1 * relu(1 - exp(x)) + relu(x), as TVM's importer spells ELU; the constants must be those."""
+    if (_scalar(annotations["one"], "ELU one"), _scalar(annotations["minus_one"], "ELU alpha")) != (1.0, -1.0):
+        raise UnsupportedOpError("not -relu(1 - exp(x)) + relu(x), an ELU of alpha 1")
+    _one_input(annotations)
+    return _activation(annotations, NpuOp.ELU)
 
 
 def extract_softmax(annotations: Mapping[str, relax.Expr]) -> SoftmaxParams:
