@@ -11,7 +11,7 @@ operators.
 
 Order is pattern priority: within the table, an operator's idioms are tried
 before the next operator's (TFLite's fused activations are claimed first for
-all operators, see :func:`npu_backend.patterns.table.table`).
+all operators, see :func:`npu_backend.patterns.table.table_rows`).
 """
 
 from __future__ import annotations

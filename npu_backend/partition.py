@@ -227,6 +227,8 @@ def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESE
                                                  annotate_codegen=False)(original)
     finally:
         ACTIVE_CONTEXT.reset(token)
+    if context.failure is not None:
+        raise context.failure
     fused = _annotate_composites(original["main"], fused, context.reference)
     merged = relax.transform.MergeCompositeFunctions()(fused)
     partitioned = _name_regions(merged, config)

@@ -66,7 +66,7 @@ class PartitionReport:
             detail = o.composite if o.target == "npu" else o.reason
             lines.append(f"{o.var:<12} {o.op:<22} {o.target:<6} {detail}")
         n = len(self.ops)
-        lines.append(f"{len(self.npu_ops)} of {n} operators on the NPU, {len(self.host_ops)} on the host")
+        lines.append(f"{len(self.npu_ops)} of {n} operators on the NPU ({self.preset}), {len(self.host_ops)} on the host")
         return "\n".join(lines)
 
 

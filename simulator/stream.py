@@ -147,7 +147,7 @@ def _encode_hardware(builder, config: NpuConfig) -> int:
 
 
 def encode_stream(stream: CommandStream) -> bytes:
-    """Serialize a stream; the inverse of :func:`decode_stream`."""
+    """Serialize a stream in the format of its ``version``; the inverse of :func:`decode_stream`."""
     builder = flatbuffers.Builder(1024)
     buffer_offsets = []
     for buf in stream.buffers:
@@ -158,13 +158,12 @@ def encode_stream(stream: CommandStream) -> bytes:
         buffer_offsets.append(_add_table(builder, fb_buffer, "Buffer",
                                          {"kind": int(buf.kind), "size": buf.size}, offsets))
     command_offsets = [_encode_command(builder, c) for c in stream.commands]
+    tables = {"name": builder.CreateString(stream.name), "config": builder.CreateString(stream.config.name),
+              "buffers": _add_vector(builder, buffer_offsets), "commands": _add_vector(builder, command_offsets)}
+    if tuple(stream.version) >= (1, 3):  # older formats named a preset only
+        tables["hardware"] = _encode_hardware(builder, stream.config)
     root = _add_table(builder, fb_stream, "CommandStream",
-                      {"version_major": stream.version[0], "version_minor": stream.version[1]},
-                      {"name": builder.CreateString(stream.name),
-                       "config": builder.CreateString(stream.config.name),
-                       "buffers": _add_vector(builder, buffer_offsets),
-                       "commands": _add_vector(builder, command_offsets),
-                       "hardware": _encode_hardware(builder, stream.config)})
+                      {"version_major": stream.version[0], "version_minor": stream.version[1]}, tables)
     builder.Finish(root, file_identifier=FILE_IDENTIFIER)
     return bytes(builder.Output())
 

@@ -74,7 +74,7 @@ def test_partition_report_table_and_json(capsys):
 
     assert main(["partition", str(MODEL)]) == 0
     table = capsys.readouterr().out
-    assert "npu.conv2d" in table and "operators on the NPU, 0 on the host" in table
+    assert "npu.conv2d" in table and "operators on the NPU (npu-256), 0 on the host" in table
     assert main(["partition", str(MODEL), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["preset"] == "npu-256" and {o["target"] for o in report["ops"]} == {"npu"}

@@ -17,7 +17,7 @@ from npu_backend.params import NpuOp
 from simulator import Opcode, get_config
 
 BASE = get_config("npu-256")
-TINY_SRAM = dataclasses.replace(BASE, name="npu-256", sram_bytes=1024)
+TINY_SRAM = dataclasses.replace(BASE, name="sram-1k", sram_bytes=1024)
 
 CASES = {
     "conv3x3_s1_same": dict(op=NpuOp.CONV2D, ifm_shape=(1, 9, 7, 5), out_channels=6),

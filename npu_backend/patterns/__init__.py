@@ -5,7 +5,7 @@ operator is said by :mod:`npu_backend.ops`.
 """
 
 from .table import (PREFIX, Idiom, PartitionContext, Rejection, extract_params, register_table,
-                    registered_patterns, table)
+                    registered_patterns, table_rows)
 
 __all__ = ["PREFIX", "Idiom", "PartitionContext", "Rejection", "extract_params", "register_table",
-           "registered_patterns", "table"]
+           "registered_patterns", "table_rows"]

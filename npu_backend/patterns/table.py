@@ -65,6 +65,9 @@ class PartitionContext:
     rejections: list[Rejection] = field(default_factory=list)
     tensor_qparams: dict = field(default_factory=dict)
     """Binding name -> TensorQParams of the graph being partitioned (the dataflow analysis)."""
+    failure: Exception | None = None
+    """A bug met while checking a match (raised by ``partition_for_npu`` once fusion returns: an exception
+    raised inside TVM's callback would reach the caller as a bare RuntimeError)."""
 
 
 def extract_params(idiom: Idiom, annotations: Mapping, reference: Reference,
@@ -95,7 +98,8 @@ def _make_check(definition, idiom: Idiom):
     def check(context) -> bool:
         # Applied outside partition_for_npu (FuseOpsByPattern on the registry's patterns, as TVM's own
         # backends are tested): the default preset and TFLite's numerics, as documented.
-        active = ACTIVE_CONTEXT.get() or PartitionContext(get_config())
+        inside = ACTIVE_CONTEXT.get()
+        active = inside or PartitionContext(get_config())
         annotations = {str(k): v for k, v in context.annotated_expr.items()}
         anchor_var = context.value_to_bound_var.get(annotations["anchor"])
         anchor = anchor_var.name if anchor_var is not None else "?"
@@ -114,8 +118,13 @@ def _make_check(definition, idiom: Idiom):
             except NpuError as exc:
                 reason = str(exc)
             except Exception as exc:  # a bug: say where, never hide it as a host fallback
-                raise InternalError(f"checking the {definition.composite} match at {anchor}: "
-                                    f"{type(exc).__name__}: {exc}") from exc
+                bug = InternalError(f"checking the {definition.composite} match at {anchor}: "
+                                    f"{type(exc).__name__}: {exc}")
+                bug.__cause__ = exc
+                if inside is None:
+                    raise bug from exc
+                inside.failure = inside.failure or bug
+                return False
         if reason is not None:
             active.rejections.append(Rejection(definition.composite, anchor, reason))
         return reason is None
@@ -123,7 +132,7 @@ def _make_check(definition, idiom: Idiom):
     return check
 
 
-def table(definitions) -> list[tuple]:
+def table_rows(definitions) -> list[tuple]:
     """The ordered (name, pattern, annotations, check) tuples of ``definitions``, highest priority first."""
     rows = []
     for with_clip in (True, False):  # a fused activation must be claimed before the bare op
@@ -137,7 +146,7 @@ def table(definitions) -> list[tuple]:
 
 
 def register_table(definitions) -> None:
-    register_patterns(list(reversed(table(definitions))))
+    register_patterns(list(reversed(table_rows(definitions))))
 
 
 def registered_patterns():
