@@ -156,15 +156,19 @@ def test_mutated_streams_fail_only_with_stream_errors(conv_stream):
     """Random byte flips and truncations: decode, validate and run raise NpuError or succeed."""
     import random
 
+    mutate_and_run(encode_stream(conv_stream), random.Random(1234), count=400, max_flips=6, truncate=0.2)
+
+
+def mutate_and_run(data: bytes, rng, count: int, max_flips: int, truncate: float = 0.0) -> None:
+    """Flip up to ``max_flips`` random bytes (and truncate a share of the mutants); each mutant must decode,
+    validate and run, or fail with NpuError: never any other exception."""
     from simulator import NpuError
 
-    data = encode_stream(conv_stream)
-    rng = random.Random(1234)
-    for _ in range(400):
+    for _ in range(count):
         mutated = bytearray(data)
-        for _ in range(rng.randint(1, 6)):
+        for _ in range(rng.randint(1, max_flips)):
             mutated[rng.randrange(len(mutated))] = rng.randrange(256)
-        if rng.random() < 0.2:
+        if rng.random() < truncate:
             mutated = mutated[:rng.randrange(len(mutated))]
         try:
             stream = decode_stream(bytes(mutated))
@@ -401,21 +405,11 @@ def test_mutated_onnxruntime_streams_fail_only_with_npu_errors():
     """Flipped bytes in the float32 scales (NaN, inf, huge, negative) end in NpuError or a result, never a crash."""
     import random
 
-    from simulator import Buffer, Command, NpuError
+    from simulator import Buffer, Command
 
     dma_in = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.DRAM, 0, 0, MemorySpace.SRAM, -1, 0, 32))
     dma_in2 = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.DRAM, 0, 0, MemorySpace.SRAM, -1, 32, 32))
     dma_out = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.SRAM, -1, 64, MemorySpace.DRAM, 1, 0, 8))
     buffers = (Buffer("ifm", BufferKind.INPUT, 32, shape=(1, 4, 4, 2)), Buffer("ofm", BufferKind.OUTPUT, 8, shape=(8,)))
     data = encode_stream(CommandStream("ort", CONFIG.name, buffers, (dma_in, dma_in2, *_ort_commands(), dma_out)))
-    rng = random.Random(99)
-    for _ in range(300):
-        mutated = bytearray(data)
-        for _ in range(rng.randint(1, 4)):
-            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
-        try:
-            stream = decode_stream(bytes(mutated))
-            validate_stream(stream, stream.config)
-            run_stream(stream, {b.name: np.zeros(b.shape, b.dtype) for _, b in stream.buffers_of(BufferKind.INPUT)})
-        except NpuError:
-            pass
+    mutate_and_run(data, random.Random(99), count=300, max_flips=4)
