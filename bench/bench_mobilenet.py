@@ -23,6 +23,7 @@ from ai_edge_litert.interpreter import Interpreter, OpResolverType
 from tvm import relax
 
 import npu_backend
+from simulator.config import resolve_config
 
 MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tflite" / "mobilenet_v2_035_96.tflite"
 
@@ -72,7 +73,7 @@ def main() -> None:
     for name, interpreter in interpreters.items():
         timings[name] = _best_of(lambda i=interpreter: run_litert(i), args.runs)
 
-    clock = npu_backend.get_config(args.preset).clock_mhz
+    clock = resolve_config(args.preset).clock_mhz
     print(f"model: {MODEL.name}, best of {args.runs} runs, 1 thread")
     for name, ms in timings.items():
         print(f"  {name:<11} {ms:9.2f} ms/inference")

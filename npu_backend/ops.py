@@ -24,7 +24,7 @@ import numpy as np
 from simulator import mlas, softmax, tables
 from simulator.isa import Opcode
 
-from . import prepare
+from . import prepare, tiling
 from .codegen import emit
 from .errors import UnsupportedOpError
 from .legality import CONV_RULES, POOL_RULES, tflite_kernel_only
@@ -34,7 +34,6 @@ from .patterns import builders as b
 from .patterns import extract as x
 from .patterns.fixed_point import QPARAM_ROLES, extract_fixed_point, fixed_point_pattern
 from .patterns.table import PREFIX, Idiom
-from . import tiling
 
 
 @dataclass(frozen=True)
@@ -79,9 +78,9 @@ def _binary(op: NpuOp, opcode: Opcode, relax_op: str) -> OpDef:
                  emit.elementwise_program(opcode), (opcode,))
 
 
-def _pool(op: NpuOp, opcode: Opcode, relax_op: str, qdq_extract, int8_idiom: Idiom) -> OpDef:
+def _pool(op: NpuOp, opcode: Opcode, relax_op: str, qdq_extract, int8_idiom: Idiom, *also: Opcode) -> OpDef:
     return OpDef(op, PoolParams, (_idiom(b.qdq_pool_pattern(relax_op), qdq_extract, True), int8_idiom), POOL_RULES,
-                 tiling.plan_pool, prepare.pool_qparams, emit.pool_program(opcode), (opcode, Opcode.MEAN))
+                 tiling.plan_pool, prepare.pool_qparams, emit.pool_program(opcode), (opcode, *also))
 
 
 def _table(op: NpuOp, build, tflite, onnxruntime=None, fixed_output=None, extract=None) -> OpDef:
@@ -118,7 +117,7 @@ OPS: tuple[OpDef, ...] = (
     _pool(NpuOp.MAX_POOL2D, Opcode.MAX_POOL2D, "relax.nn.max_pool2d", x.extract_qdq_max_pool2d,
           _idiom(b.max_pool_pattern, x.extract_max_pool2d, True)),
     _pool(NpuOp.AVG_POOL2D, Opcode.AVG_POOL2D, "relax.nn.avg_pool2d", x.extract_qdq_avg_pool2d,
-          _idiom(b.avg_pool_pattern, x.extract_avg_pool2d, True)),
+          _idiom(b.avg_pool_pattern, x.extract_avg_pool2d, True), Opcode.MEAN),  # onnxruntime's global average
     _mover(NpuOp.RESHAPE, ReshapeParams, b.reshape_pattern, x.extract_reshape, tiling.plan_copy, emit.emit_reshape),
     _table(NpuOp.SIGMOID, b.activation_pattern("relax.sigmoid"), prepare.fixed_output(tables.logistic_table),
            prepare.onnxruntime_function(mlas.logistic), tables.LOGISTIC_OUTPUT),

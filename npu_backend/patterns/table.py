@@ -120,7 +120,7 @@ def _make_check(definition, idiom: Idiom):
             except Exception as exc:  # a bug: say where, never hide it as a host fallback
                 bug = InternalError(f"checking the {definition.composite} match at {anchor}: "
                                     f"{type(exc).__name__}: {exc}")
-                bug.__cause__ = exc
+                bug.__cause__ = exc  # the traceback of the bug itself, when partition_for_npu raises it
                 if inside is None:
                     raise bug from exc
                 inside.failure = inside.failure or bug
