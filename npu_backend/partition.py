@@ -9,6 +9,7 @@ import tvm
 import tvm_ffi
 from tvm import relax
 from tvm.ir.expr import Constant
+from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from simulator.config import DEFAULT_PRESET, NpuConfig, resolve_config
 
@@ -139,20 +140,45 @@ def _annotate_composites(original: relax.Function, mod: tvm.IRModule, reference:
     return mod
 
 
+@mutator
+class _RenameGlobals(PyExprMutator):
+    """Point every call of a renamed function at its new GlobalVar."""
+
+    def __init__(self, renames: dict, mod: tvm.IRModule):
+        super().__init__(mod)
+        self.renames = renames
+
+    def visit_global_var_(self, gvar):
+        return self.renames.get(gvar, gvar)
+
+
 def _name_regions(mod: tvm.IRModule, config: NpuConfig) -> tvm.IRModule:
-    """Give each NPU region a content-derived ``global_symbol`` and record its hardware configuration.
+    """Give each NPU region a content-derived name, used as its ``global_symbol``, and record its hardware.
 
     The symbol names the command stream at run time; deriving it from the
     region's structure (constants included) and the configuration's numbers
     means two models compiled in one process can never run each other's streams.
+    The region's GlobalVar takes the same name, as TVM's well-formedness requires.
     """
     label = re.sub(r"\W", "_", config.name)
-    for gvar, func in list(mod.functions_items()):
+    regions, renames = {}, {}
+    for gvar, func in mod.functions_items():
         if func.attrs is not None and func.attrs.get("Codegen") == PREFIX:
             func = func.with_attr(CONFIG_ATTR, config.to_json())
-            digest = tvm_ffi.structural_hash(func) & (2**64 - 1)
-            mod[gvar] = func.with_attr("global_symbol", f"npu_{label}_{digest:016x}")
-    return mod
+            symbol = f"npu_{label}_{tvm_ffi.structural_hash(func) & (2**64 - 1):016x}"
+            regions[gvar] = func.with_attr("global_symbol", symbol)
+            renamed = relax.GlobalVar(symbol)
+            relax.expr._update_type(renamed, gvar.ty)
+            renames[gvar] = renamed
+    out = tvm.IRModule({}, attrs=mod.attrs)
+    for gvar, func in mod.functions_items():
+        if gvar in regions:
+            out[renames[gvar]] = regions[gvar]
+        elif isinstance(func, relax.Function):
+            out[gvar] = _RenameGlobals(renames, mod).visit_expr(func)
+        else:
+            out[gvar] = func
+    return out
 
 
 def _placements(partitioned: tvm.IRModule) -> dict[str, tuple[str, str]]:

@@ -28,7 +28,10 @@ MODELS = json.loads((ONNX / "MANIFEST.json").read_text())["models"]
 def compiled(request):
     entry = request.param
     partitioned = npu_backend.partition_for_npu(npu_backend.load_onnx(ONNX / entry["file"]))
-    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    relax.analysis.well_formed(partitioned)  # raises on ill-formed IR
+    generated = relax.transform.RunCodegen()(partitioned)
+    relax.analysis.well_formed(generated)
+    vm = relax.VirtualMachine(tvm.compile(generated, target="llvm"), tvm.cpu())
     return entry, partitioned, vm
 
 

@@ -13,6 +13,7 @@ import re
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
@@ -29,9 +30,8 @@ W_HWIO = np.arange(-6, 6, dtype=np.int8).reshape(2, 1, 2, 3)  # W[kh, 0, ic, oc]
 W_SCALES = np.array([0.002, 0.004, 0.003], np.float32)
 BIAS = np.array([100, -200, 300], np.int32)
 BIAS_SCALES = np.float32(0.0078125) * W_SCALES  # s_in * s_w: the accumulator domain (exact: s_in = 2**-7)
-# The Expected modules are parsed with check_well_formed=False because the partitioner's own output fails TVM's
-# well-formedness check: _name_regions sets the region's global_symbol to a content hash while its GlobalVar keeps
-# MergeCompositeFunctions' name, and relax.analysis.well_formed requires the two to agree.
+# The region's name is its content hash (global_symbol), which an Expected module cannot spell: it names the
+# region "region" and named() gives it the result's symbol, as the partitioner does (GlobalVar name == symbol).
 CONV_OPS = ["relax.dequantize", "relax.dequantize", "relax.nn.conv2d", "relax.dequantize", "relax.add",
             "relax.quantize", "relax.clip"]
 
@@ -98,6 +98,28 @@ def expected_conv_composite(source_vars: list[str]):
     return composite
 
 
+@mutator
+class _Rename(PyExprMutator):
+    def __init__(self, renames, mod):
+        super().__init__(mod)
+        self.renames = renames
+
+    def visit_global_var_(self, gvar):
+        return self.renames.get(gvar, gvar)
+
+
+def named(expected: tvm.IRModule, symbol: str) -> tvm.IRModule:
+    """``expected`` with its function "region" renamed ``symbol`` (callers included)."""
+    old = expected.get_global_var("region")
+    new = relax.GlobalVar(symbol)
+    relax.expr._update_type(new, old.ty)
+    out = tvm.IRModule({})
+    for gvar, func in expected.functions_items():
+        out[new if gvar.same_as(old) else gvar] = _Rename({old: new}, expected).visit_expr(func)
+    relax.analysis.well_formed(out)
+    return out
+
+
 def region_attrs(partitioned: tvm.IRModule) -> tuple[str, str]:
     """(global_symbol, npu.config) of the one region, copied from the result, each checked on its own."""
     (symbol, config), = [(str(f.attrs["global_symbol"]), str(f.attrs["npu.config"]))
@@ -117,10 +139,10 @@ def test_single_qdq_conv2d_becomes_one_region_with_one_annotated_composite():
     # BlockBuilder names the Before's bindings lv, lv1, ..., lv5 and the emitted output gv
     composite = expected_conv_composite(["lv", "lv1", "lv2", "lv3", "lv4", "lv5", "gv"])
 
-    @I.ir_module(check_well_formed=False)  # see the note above CONV_OPS
+    @I.ir_module(check_well_formed=False)  # "region" becomes the symbol in named(), which is checked
     class Expected:
         @R.function
-        def fused_relax_dequantize_relax_dequantize_relax_nn_conv2d_relax_dequantize_relax_add_relax_quantize_relax_clip1_npu(  # noqa: E501
+        def region(
                 x: R.Tensor((1, 4, 4, 2), "int8")) -> R.Tensor((1, 4, 4, 3), "int8"):
             R.func_attr({"Codegen": "npu", "global_symbol": symbol, "npu.config": config})
             conv = composite
@@ -131,11 +153,12 @@ def test_single_qdq_conv2d_becomes_one_region_with_one_annotated_composite():
         def main(x: R.Tensor((1, 4, 4, 2), "int8")) -> R.Tensor((1, 4, 4, 3), "int8"):
             cls = Expected
             with R.dataflow():
-                gv = cls.fused_relax_dequantize_relax_dequantize_relax_nn_conv2d_relax_dequantize_relax_add_relax_quantize_relax_clip1_npu(x)  # noqa: E501
+                gv = cls.region(x)
                 R.output(gv)
             return gv
 
-    tvm.ir.assert_structural_equal(partitioned.without_attr(REPORT_ATTR), Expected)
+    relax.analysis.well_formed(partitioned)  # raises unless every GlobalVar is named as its symbol
+    tvm.ir.assert_structural_equal(partitioned.without_attr(REPORT_ATTR), named(Expected, symbol))
     report = npu_backend.partition_report(partitioned)
     names = ["lv", "lv1", "lv2", "lv3", "lv4", "lv5", "gv"]
     assert report == PartitionReport("npu-256", tuple(
@@ -161,10 +184,10 @@ def test_conv2d_then_softmax_over_a_non_last_axis_leaves_the_softmax_in_main():
     # the conv's clip is now lv6 (no longer the function's output); lv7, lv8 and gv are the host's
     composite = expected_conv_composite(["lv", "lv1", "lv2", "lv3", "lv4", "lv5", "lv6"])
 
-    @I.ir_module(check_well_formed=False)  # see the note above CONV_OPS
+    @I.ir_module(check_well_formed=False)  # "region" becomes the symbol in named(), which is checked
     class Expected:
         @R.function
-        def fused_relax_dequantize_relax_dequantize_relax_nn_conv2d_relax_dequantize_relax_add_relax_quantize_relax_clip1_npu(  # noqa: E501
+        def region(
                 x: R.Tensor((1, 4, 4, 2), "int8")) -> R.Tensor((1, 4, 4, 3), "int8"):
             R.func_attr({"Codegen": "npu", "global_symbol": symbol, "npu.config": config})
             conv = composite
@@ -175,7 +198,7 @@ def test_conv2d_then_softmax_over_a_non_last_axis_leaves_the_softmax_in_main():
         def main(x: R.Tensor((1, 4, 4, 2), "int8")) -> R.Tensor((1, 4, 4, 3), "int8"):
             cls = Expected
             with R.dataflow():
-                y = cls.fused_relax_dequantize_relax_dequantize_relax_nn_conv2d_relax_dequantize_relax_add_relax_quantize_relax_clip1_npu(x)  # noqa: E501
+                y = cls.region(x)
                 y_dq = R.dequantize(y, R.const(0.05, "float32"), R.const(5, "int32"), axis=0)
                 soft = R.nn.softmax(y_dq, axis=1)
                 gv = R.quantize(soft, R.const(0.00390625, "float32"), R.const(-128, "int32"), axis=0,
@@ -183,7 +206,8 @@ def test_conv2d_then_softmax_over_a_non_last_axis_leaves_the_softmax_in_main():
                 R.output(gv)
             return gv
 
-    tvm.ir.assert_structural_equal(partitioned.without_attr(REPORT_ATTR), Expected)
+    relax.analysis.well_formed(partitioned)  # raises unless every GlobalVar is named as its symbol
+    tvm.ir.assert_structural_equal(partitioned.without_attr(REPORT_ATTR), named(Expected, symbol))
     report = npu_backend.partition_report(partitioned)
     assert [(o.var, o.op) for o in report.npu_ops] == list(zip(["lv", "lv1", "lv2", "lv3", "lv4", "lv5", "lv6"],
                                                                CONV_OPS))

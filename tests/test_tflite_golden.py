@@ -15,7 +15,6 @@ import npu_backend
 from conftest import FIXTURES, tflite_manifest
 
 
-
 def model_inputs(golden) -> list:
     """The stacked samples of each model input, in order: ``inputs``, then ``inputs1``, ``inputs2``, ..."""
     extra = sorted((k for k in golden.files if k.startswith("inputs") and k != "inputs"), key=lambda k: int(k[6:]))
@@ -29,7 +28,10 @@ def test_model_is_offloaded_and_bit_exact(entry):
     partitioned = npu_backend.partition_for_npu(npu_backend.load_tflite(model))
     report = npu_backend.partition_report(partitioned)
     assert report.npu_ops and not report.host_ops, report.format_table()
-    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    relax.analysis.well_formed(partitioned)  # raises on ill-formed IR
+    generated = relax.transform.RunCodegen()(partitioned)
+    relax.analysis.well_formed(generated)
+    vm = relax.VirtualMachine(tvm.compile(generated, target="llvm"), tvm.cpu())
     assert len(golden["inputs"]) >= 8
     for sample, expected in zip(zip(*model_inputs(golden)), golden["outputs"]):
         with npu_backend.profile() as prof:
