@@ -20,6 +20,7 @@ from .ops import composite_def
 from .params import OPERAND_ROLES, OPERANDS_ATTR, to_attrs, to_attrs_value
 from .patterns import PREFIX, PartitionContext, registered_patterns
 from .patterns.table import ACTIVE_CONTEXT, extract_params
+from .qparam_checks import check_qparams
 from .qparams import TensorQParams, infer_qparams
 from .reference import Reference, resolve_reference
 from .report import REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings, unmatched_reason
@@ -244,6 +245,9 @@ def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESE
     config = resolve_config(preset)
     if not isinstance(mod, tvm.IRModule) or "main" not in mod:
         raise NpuError("partition_for_npu needs an IRModule with a 'main' function")
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            check_qparams(func)
     original = relax.transform.ConvertToDataflow()(canonicalize(mod))
     context = PartitionContext(config, resolve_reference(mod, reference),
                                tensor_qparams={v.name: qp for v, qp in infer_qparams(original["main"]).items()})
