@@ -16,15 +16,19 @@ from .config import NpuConfig, get_config
 from .errors import StreamError
 from .numerics import Rounding
 
-FORMAT_VERSION = (1, 3)
-"""(major, minor) of the command-stream format; a reader accepts only its own major.
+FORMAT_VERSION = (2, 0)
+"""(major, minor) of the command-stream format; a reader accepts the majors in ``READABLE_MAJORS``.
 
 1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
 1.2 added ``Rounding.ONNXRUNTIME`` and the float32 scales it needs, appended to
 Elementwise, Reduction and Pooling (plus Pooling's rounding and zero points);
 their defaults (0) keep 1.0 and 1.1 streams meaning what they meant.
 1.3 added ``CommandStream.hardware``: the configuration's numbers and fingerprint.
-Older streams name only a preset, which the reader looks up."""
+Older streams name only a preset, which the reader looks up.
+2.0 wraps the flatbuffer in a header holding the version, the payload's length and a
+SHA-256 over header and payload (:mod:`simulator.stream`); 1.x files are bare flatbuffers."""
+
+READABLE_MAJORS = (1, 2)
 
 
 class Opcode(IntEnum):

@@ -1,12 +1,24 @@
 """Serialization of command streams: the only module that touches flatc's output.
 
-Decoding is defensive: every length and offset read from the bytes is checked
-against the size of the bytes before it is used, so a truncated or hostile
-file raises ``StreamError`` instead of crashing, hanging or allocating wildly.
+A 2.x stream file is a 44-byte header, then the flatbuffer::
+
+    0   b"NPUS"                      magic
+    4   uint16 major, uint16 minor   format version (little endian)
+    8   uint32                       payload length in bytes
+    12  32 bytes                     SHA-256 of bytes 0..11 and of the payload
+    44  payload                      the CommandStream flatbuffer (identifier "NPUC")
+
+so any flipped, lost or added byte is refused before anything is parsed, and a
+file of another major version is named as such. 1.x files are the bare
+flatbuffer (no checksum), still read. Decoding is also defensive: every length
+and offset read from the flatbuffer is checked against its size before it is
+used, so a hostile payload raises ``StreamError`` instead of crashing, hanging
+or allocating wildly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import struct
 from dataclasses import fields
 
@@ -27,12 +39,15 @@ from ._generated import Softmax as fb_softmax
 from ._generated import TableLookup as fb_lut
 from .config import NpuConfig, get_config
 from .errors import ConfigError, StreamError
-from .isa import (FORMAT_VERSION, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
+from .isa import (FORMAT_VERSION, READABLE_MAJORS, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
                   FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
 from .numerics import Rounding
 from .opcodes import opcode_def
 
 FILE_IDENTIFIER = b"NPUC"
+CONTAINER_MAGIC = b"NPUS"
+_HEADER = struct.Struct("<4sHHI")
+HEADER_BYTES = _HEADER.size + 32
 
 _DMA_FIELDS = ("src_space", "src_buffer", "src_offset", "dst_space", "dst_buffer", "dst_offset",
                "row_bytes", "rows", "src_stride", "dst_stride")
@@ -165,7 +180,11 @@ def encode_stream(stream: CommandStream) -> bytes:
     root = _add_table(builder, fb_stream, "CommandStream",
                       {"version_major": stream.version[0], "version_minor": stream.version[1]}, tables)
     builder.Finish(root, file_identifier=FILE_IDENTIFIER)
-    return bytes(builder.Output())
+    payload = bytes(builder.Output())
+    if stream.version[0] < 2:  # 1.x: the bare flatbuffer
+        return payload
+    header = _HEADER.pack(CONTAINER_MAGIC, stream.version[0], stream.version[1], len(payload))
+    return header + hashlib.sha256(header + payload).digest() + payload
 
 
 def _text(value) -> str:
@@ -239,6 +258,31 @@ def _decode_buffer(raw, total: int) -> Buffer:
                   size=raw.Size(), dtype=_text(raw.Dtype()), shape=shape, data=data)
 
 
+def _check_major(major: int, minor: int) -> None:
+    if major not in READABLE_MAJORS:
+        newer = "newer than" if major > max(READABLE_MAJORS) else "older than"
+        raise StreamError(f"stream format {major}.{minor} is {newer} this simulator reads "
+                          f"({', '.join(f'{m}.x' for m in READABLE_MAJORS)}); use the npu_backend that wrote it")
+
+
+def _payload(data: bytes) -> tuple[bytes, tuple[int, int] | None]:
+    """The flatbuffer inside a 2.x container (checked whole), or a bare 1.x flatbuffer; and the header's version."""
+    if data[:4] == CONTAINER_MAGIC:
+        if len(data) < HEADER_BYTES:
+            raise StreamError(f"truncated command stream: {len(data)} bytes, the header alone is {HEADER_BYTES}")
+        _, major, minor, length = _HEADER.unpack_from(data)
+        _check_major(major, minor)
+        if len(data) != HEADER_BYTES + length:
+            raise StreamError(f"command stream holds {len(data) - HEADER_BYTES} payload bytes, its header says "
+                              f"{length}: truncated or extended")
+        if hashlib.sha256(data[:_HEADER.size] + data[HEADER_BYTES:]).digest() != data[_HEADER.size:HEADER_BYTES]:
+            raise StreamError("command stream checksum mismatch: the file is corrupt")
+        return data[HEADER_BYTES:], (major, minor)
+    if len(data) >= 8 and data[4:8] == FILE_IDENTIFIER:
+        return data, None
+    raise StreamError("not a command stream: neither the 'NPUS' header nor a bare 'NPUC' flatbuffer")
+
+
 def decode_stream(data: bytes) -> CommandStream:
     """Parse bytes into a :class:`CommandStream`, raising ``StreamError`` on any defect.
 
@@ -248,18 +292,21 @@ def decode_stream(data: bytes) -> CommandStream:
     data = bytes(data)
     if len(data) < 8:
         raise StreamError(f"not a command stream: {len(data)} bytes is too short")
-    if data[4:8] != FILE_IDENTIFIER:
-        raise StreamError("not a command stream: missing the 'NPUC' file identifier")
+    payload, header_version = _payload(data)
     try:
-        root = fb_stream.CommandStream.GetRootAs(data, 0)
+        root = fb_stream.CommandStream.GetRootAs(payload, 0)
         version = (root.VersionMajor(), root.VersionMinor())
-        if version[0] != FORMAT_VERSION[0]:
-            raise StreamError(f"stream format version {version[0]}.{version[1]} is not supported "
-                              f"(this simulator reads {FORMAT_VERSION[0]}.x)")
-        n_buffers = _checked_length(root.BuffersLength(), 4, len(data), "buffer list")
-        n_commands = _checked_length(root.CommandsLength(), 4, len(data), "command list")
-        buffers = tuple(_decode_buffer(root.Buffers(i), len(data)) for i in range(n_buffers))
-        commands = tuple(_decode_command(root.Commands(i), i, len(data)) for i in range(n_commands))
+        _check_major(*version)
+        if header_version is not None and version != header_version:
+            raise StreamError(f"header says format {header_version[0]}.{header_version[1]}, the payload "
+                              f"{version[0]}.{version[1]}")
+        if header_version is None and version[0] >= 2:
+            raise StreamError(f"a format {version[0]}.{version[1]} stream must carry its header and checksum")
+        total = len(payload)
+        n_buffers = _checked_length(root.BuffersLength(), 4, total, "buffer list")
+        n_commands = _checked_length(root.CommandsLength(), 4, total, "command list")
+        buffers = tuple(_decode_buffer(root.Buffers(i), total) for i in range(n_buffers))
+        commands = tuple(_decode_command(root.Commands(i), i, total) for i in range(n_commands))
         return CommandStream(name=_text(root.Name()), config=_decode_hardware(root, version), buffers=buffers,
                              commands=commands, version=version)
     except StreamError:
@@ -270,4 +317,4 @@ def decode_stream(data: bytes) -> CommandStream:
         raise StreamError(f"corrupt command stream: {type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["encode_stream", "decode_stream", "FILE_IDENTIFIER"]
+__all__ = ["encode_stream", "decode_stream", "FILE_IDENTIFIER", "CONTAINER_MAGIC", "HEADER_BYTES"]

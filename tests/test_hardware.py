@@ -51,13 +51,16 @@ def test_the_stream_runs_on_its_own_configuration_by_default():
 
 
 def test_a_tampered_fingerprint_or_configuration_is_a_stream_error():
-    data = encode_stream(_stream(CUSTOM))
-    fingerprint = CUSTOM.fingerprint.encode()
-    at = data.index(fingerprint)
-    flipped = bytearray(data)
-    flipped[at] = ord("0") if fingerprint[0:1] != b"0" else ord("1")
-    with pytest.raises(StreamError, match="does not match the configuration's numbers"):
-        decode_stream(bytes(flipped))
+    """The checksum catches any flipped byte of a 2.x stream; 1.3 streams have no checksum, and there the
+    fingerprint still ties the numbers to the configuration."""
+    for version, message in (((1, 3), "does not match the configuration's numbers"), ((2, 0), "checksum mismatch")):
+        data = encode_stream(dataclasses.replace(_stream(CUSTOM), version=version))
+        fingerprint = CUSTOM.fingerprint.encode()
+        at = data.index(fingerprint)
+        flipped = bytearray(data)
+        flipped[at] = ord("0") if fingerprint[0:1] != b"0" else ord("1")
+        with pytest.raises(StreamError, match=message):
+            decode_stream(bytes(flipped))
 
 
 def test_a_stream_of_format_1_2_names_a_preset():

@@ -41,19 +41,46 @@ def _corrupt(data: bytes, offset: int, value: bytes) -> bytes:
 
 @pytest.mark.parametrize("mutate, message", [
     (lambda d: d[:5], "too short"),
-    (lambda d: _corrupt(d, 4, b"XXXX"), "identifier"),
-    (lambda d: d[:len(d) // 3], "corrupt|claims"),
-    (lambda d: b"\x00" * 4 + b"NPUC" + b"\xff" * 64, "corrupt|claims|version"),
+    (lambda d: _corrupt(d, 0, b"XXXX"), "neither the 'NPUS' header nor a bare 'NPUC' flatbuffer"),
+    (lambda d: d[:30], "truncated command stream: 30 bytes, the header alone is 44"),
+    (lambda d: d[:len(d) // 3], "truncated or extended"),
+    (lambda d: d + b"\0", "truncated or extended"),
+    (lambda d: _corrupt(d, len(d) - 7, bytes([d[-7] ^ 1])), "checksum mismatch"),
+    (lambda d: _corrupt(d, 20, bytes([d[20] ^ 0x80])), "checksum mismatch"),   # the digest itself
+    (lambda d: _corrupt(d, 6, b"\x07\x00"), "checksum mismatch"),              # the minor version
+    (lambda d: b"\x00" * 4 + b"NPUC" + b"\xff" * 64, "older than this simulator reads"),
 ])
 def test_malformed_bytes_raise_stream_error(conv_stream, mutate, message):
     with pytest.raises(StreamError, match=message):
         decode_stream(mutate(encode_stream(conv_stream)))
 
 
-def test_other_major_version_is_refused(conv_stream):
+def test_every_single_byte_flip_is_caught_by_the_checksum(conv_stream):
+    """A checksum covers header and payload: no corrupted byte reaches the parser."""
+    data = encode_stream(conv_stream)
+    for offset in range(0, len(data), max(1, len(data) // 997)):
+        with pytest.raises(StreamError):
+            decode_stream(_corrupt(data, offset, bytes([data[offset] ^ 0x10])))
+
+
+def test_other_major_versions_are_named(conv_stream):
     newer = dataclasses.replace(conv_stream, version=(FORMAT_VERSION[0] + 1, 0))
-    with pytest.raises(StreamError, match="version 2.0 is not supported"):
+    with pytest.raises(StreamError, match=r"stream format 3.0 is newer than this simulator reads \(1.x, 2.x\)"):
         decode_stream(encode_stream(newer))
+    older = dataclasses.replace(conv_stream, version=(0, 9))
+    with pytest.raises(StreamError, match="stream format 0.9 is older than this simulator reads"):
+        decode_stream(encode_stream(older))
+
+
+def test_a_1_x_stream_is_still_read(conv_stream):
+    """1.x files are bare flatbuffers, without the header; a 2.x payload without its header is refused."""
+    from simulator.stream import HEADER_BYTES
+
+    legacy = dataclasses.replace(conv_stream, version=(1, 3))
+    data = encode_stream(legacy)
+    assert data[4:8] == b"NPUC" and decode_stream(data) == legacy
+    with pytest.raises(StreamError, match="a format 2.0 stream must carry its header and checksum"):
+        decode_stream(encode_stream(conv_stream)[HEADER_BYTES:])
 
 
 def _with_command(stream, index, **changes):
@@ -153,10 +180,12 @@ def test_an_opcode_without_a_definition_is_a_stream_error(conv_stream, monkeypat
 
 
 def test_mutated_streams_fail_only_with_stream_errors(conv_stream):
-    """Random byte flips and truncations: decode, validate and run raise NpuError or succeed."""
+    """Random byte flips and truncations: decode, validate and run raise NpuError or succeed. The 1.x format
+    has no checksum, so its mutants reach the parser, the validator and the kernels."""
     import random
 
-    mutate_and_run(encode_stream(conv_stream), random.Random(1234), count=400, max_flips=6, truncate=0.2)
+    legacy = dataclasses.replace(conv_stream, version=(1, 3))
+    mutate_and_run(encode_stream(legacy), random.Random(1234), count=400, max_flips=6, truncate=0.2)
 
 
 def mutate_and_run(data: bytes, rng, count: int, max_flips: int, truncate: float = 0.0) -> None:
@@ -322,7 +351,7 @@ def test_onnxruntime_fields_round_trip():
     """The float32 scales (format 1.2) survive encoding exactly (the payloads hold float32 values)."""
     stream = _compute_stream(*_ort_commands())
     decoded = decode_stream(encode_stream(stream))
-    assert decoded == stream and decoded.version == FORMAT_VERSION == (1, 3)
+    assert decoded == stream and decoded.version == FORMAT_VERSION == (2, 0)
     mul, mean, pool = (c.payload for c in decoded.commands)
     assert (mul.input_scale, mul.input2_scale, mul.output_scale) == tuple(
         float(np.float32(s)) for s in (0.02, 0.031, 0.011))
@@ -411,5 +440,6 @@ def test_mutated_onnxruntime_streams_fail_only_with_npu_errors():
     dma_in2 = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.DRAM, 0, 0, MemorySpace.SRAM, -1, 32, 32))
     dma_out = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.SRAM, -1, 64, MemorySpace.DRAM, 1, 0, 8))
     buffers = (Buffer("ifm", BufferKind.INPUT, 32, shape=(1, 4, 4, 2)), Buffer("ofm", BufferKind.OUTPUT, 8, shape=(8,)))
-    data = encode_stream(CommandStream("ort", CONFIG.name, buffers, (dma_in, dma_in2, *_ort_commands(), dma_out)))
+    data = encode_stream(CommandStream("ort", CONFIG.name, buffers, (dma_in, dma_in2, *_ort_commands(), dma_out),
+                                       version=(1, 3)))  # no checksum: the mutants reach the parser
     mutate_and_run(data, random.Random(99), count=300, max_flips=4)
