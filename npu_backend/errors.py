@@ -15,9 +15,13 @@ class QParamError(NpuError):
     """Quantization parameters that are missing, inconsistent or out of range."""
 
 
+class NpuWarning(UserWarning):
+    """Something the user should know and may want to choose differently (e.g. numerics not detected)."""
+
+
 class InternalError(NpuError):
     """A bug in npu_backend (an unforeseen case reached code that assumed otherwise): please report it."""
 
 
-__all__ = ["InternalError", "NpuError", "ConfigError", "NumericsError", "StreamError", "ModelImportError",
+__all__ = ["InternalError", "NpuWarning", "NpuError", "ConfigError", "NumericsError", "StreamError", "ModelImportError",
            "UnsupportedOpError", "QParamError"]

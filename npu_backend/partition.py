@@ -22,7 +22,7 @@ from .patterns import PREFIX, PartitionContext, registered_patterns
 from .patterns.table import ACTIVE_CONTEXT, extract_params
 from .qparam_checks import check_qparams
 from .qparams import TensorQParams, infer_qparams
-from .reference import Reference, resolve_reference
+from .reference import Reference, choose_reference
 from .report import REPORT_ATTR, OpPlacement, PartitionReport, operator_bindings, unmatched_reason
 
 
@@ -249,7 +249,8 @@ def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESE
         if isinstance(func, relax.Function):
             check_qparams(func)
     original = relax.transform.ConvertToDataflow()(canonicalize(mod))
-    context = PartitionContext(config, resolve_reference(mod, reference),
+    numerics = choose_reference(mod, reference)
+    context = PartitionContext(config, numerics.reference,
                                tensor_qparams={v.name: qp for v, qp in infer_qparams(original["main"]).items()})
     token = ACTIVE_CONTEXT.set(context)
     try:
@@ -262,5 +263,6 @@ def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESE
     fused = _annotate_composites(original["main"], fused, context.reference)
     merged = relax.transform.MergeCompositeFunctions()(fused)
     partitioned = _name_regions(merged, config)
-    report = _build_report(original["main"], partitioned, context)
+    report = dataclasses.replace(_build_report(original["main"], partitioned, context),
+                                 numerics=numerics.reference.value, numerics_why=numerics.why)
     return partitioned.with_attr(REPORT_ATTR, report.to_json())

@@ -12,21 +12,30 @@ convolutions (see :mod:`simulator.numerics`).
 
 The choice is recorded by the loaders (:func:`npu_backend.load_tflite` marks a
 module ``tflite``, :func:`npu_backend.load_onnx` marks it ``onnx``) and read by
-``partition_for_npu(mod, reference="auto")``; a hand-built module without the
-mark is taken as TFLite's, and ``reference="tflite" | "onnxruntime"`` overrides
-the detection.
+``partition_for_npu(mod, reference="auto")``. A module straight from TVM's own
+importers carries no mark, so the importer is recognised by what it leaves in
+the module (:data:`EVIDENCE`); where nothing tells, TFLite's numerics are used
+with a :class:`npu_backend.errors.NpuWarning` saying how to choose, and the
+partition report states the choice and why. ``reference="tflite" |
+"onnxruntime"`` overrides all of it.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum
 
 import tvm
+from tvm import relax
+from tvm.ir.expr import Constant
 
 from simulator.numerics import Rounding
 
-from .errors import NpuError
+from .errors import NpuError, NpuWarning
+from .relax_exprs import is_call
 
 SOURCE_ATTR = "npu.source"
 """Module attribute naming the frontend a module came from (``tflite`` or ``onnx``)."""
@@ -46,16 +55,96 @@ def mark_source(mod: tvm.IRModule, source: str) -> tvm.IRModule:
     return mod.with_attr(SOURCE_ATTR, source)
 
 
-def resolve_reference(mod: tvm.IRModule, requested: str = "auto") -> Reference:
-    """The reference to follow: the requested one, or the one of the module's recorded source."""
+def _calls(mod: tvm.IRModule):
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            for block in func.body.blocks:
+                for binding in block.bindings:
+                    if isinstance(binding.value, relax.Call):
+                        yield binding.value
+
+
+def _tflite_function_attrs(mod: tvm.IRModule) -> str | None:
+    func = mod["main"] if "main" in mod else None
+    if func is not None and func.attrs is not None and "params" in func.attrs:
+        return "main carries the 'params' attribute TVM's TFLite importer writes"
+    return None
+
+
+def _narrow_zero_points(mod: tvm.IRModule) -> str | None:
+    for call in _calls(mod):
+        if (is_call(call, "relax.quantize") or is_call(call, "relax.dequantize")) and isinstance(call.args[2], Constant):
+            if str(call.args[2].value.dtype) in ("int8", "uint8"):
+                return "zero points are typed int8/uint8, as TVM's ONNX importer writes QuantizeLinear's"
+    return None
+
+
+def _int32_zero_points(mod: tvm.IRModule) -> str | None:
+    zero_points = [str(call.args[2].value.dtype) for call in _calls(mod)
+                   if (is_call(call, "relax.quantize") or is_call(call, "relax.dequantize"))
+                   and isinstance(call.args[2], Constant)]
+    if zero_points and all(dtype == "int32" for dtype in zero_points):
+        return "every zero point is int32, as TVM's TFLite importer writes them"
+    return None
+
+
+def _no_quantization(mod: tvm.IRModule) -> str | None:
+    """Integer-only graphs (int8 data movement, the cast idioms) are TFLite's; float graphs have nothing to round."""
+    if not any(is_call(call, "relax.quantize") or is_call(call, "relax.dequantize") for call in _calls(mod)):
+        return "no quantize or dequantize: integer-only idioms are TFLite's"
+    return None
+
+
+def _nchw_layout(mod: tvm.IRModule) -> str | None:
+    for call in _calls(mod):
+        layout = getattr(call.attrs, "data_layout", None) or getattr(call.attrs, "layout", None)
+        if layout is not None and str(layout) == "NCHW":
+            return f"{call.op.name} computes in NCHW, ONNX's layout"
+    return None
+
+
+EVIDENCE: tuple[tuple[str, Callable[[tvm.IRModule], str | None]], ...] = (
+    ("tflite", _tflite_function_attrs),
+    ("tflite", _int32_zero_points),
+    ("tflite", _no_quantization),
+    ("onnx", _narrow_zero_points),
+    ("onnx", _nchw_layout),
+)
+"""(source, test): what TVM's importers leave in a module; each test returns why it recognises one, or None."""
+
+
+@dataclass(frozen=True)
+class ReferenceChoice:
+    reference: Reference
+    why: str
+
+
+def choose_reference(mod: tvm.IRModule, requested: str = "auto") -> ReferenceChoice:
+    """The reference to follow and why: the requested one, the loader's mark, or what the module shows."""
     if requested != "auto":
         try:
-            return Reference(requested)
+            return ReferenceChoice(Reference(requested), f"requested (reference={requested!r})")
         except ValueError:
             known = ", ".join(["auto", *(r.value for r in Reference)])
             raise NpuError(f"unknown reference {requested!r}; known: {known}") from None
     source = mod.attrs.get(SOURCE_ATTR) if mod.attrs is not None else None
-    return REFERENCE_OF_SOURCE.get(str(source), Reference.TFLITE) if source is not None else Reference.TFLITE
+    if source is not None and str(source) in REFERENCE_OF_SOURCE:
+        return ReferenceChoice(REFERENCE_OF_SOURCE[str(source)], f"recorded by npu_backend.load_{source}")
+    found = [(source, why) for source, test in EVIDENCE for why in (test(mod),) if why is not None]
+    sources = {source for source, _ in found}
+    if len(sources) == 1:
+        source = sources.pop()
+        return ReferenceChoice(REFERENCE_OF_SOURCE[source], "detected: " + "; ".join(why for _, why in found))
+    why = ("the module shows signs of both importers (" + "; ".join(why for _, why in found) + ")" if found
+           else "nothing in the module tells which runtime it came from")
+    warnings.warn(NpuWarning(f"{why}: reproducing TFLite's reference kernels; pass reference='onnxruntime' "
+                             "(npu --reference onnxruntime) to reproduce onnxruntime instead"), stacklevel=3)
+    return ReferenceChoice(Reference.TFLITE, f"default, {why}")
+
+
+def resolve_reference(mod: tvm.IRModule, requested: str = "auto") -> Reference:
+    """The reference to follow (see :func:`choose_reference`)."""
+    return choose_reference(mod, requested).reference
 
 
 def follow_reference(params, reference: Reference):

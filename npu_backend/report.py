@@ -43,6 +43,9 @@ class OpPlacement:
 class PartitionReport:
     preset: str
     ops: tuple[OpPlacement, ...]
+    numerics: str = "tflite"
+    """Whose integer results the NPU reproduces (:class:`npu_backend.reference.Reference` value)."""
+    numerics_why: str = ""
 
     @property
     def npu_ops(self) -> list[OpPlacement]:
@@ -53,12 +56,14 @@ class PartitionReport:
         return [o for o in self.ops if o.target == "host"]
 
     def to_json(self) -> str:
-        return json.dumps({"preset": self.preset, "ops": [asdict(o) for o in self.ops]})
+        return json.dumps({"preset": self.preset, "numerics": self.numerics, "numerics_why": self.numerics_why,
+                           "ops": [asdict(o) for o in self.ops]})
 
     @classmethod
     def from_json(cls, text: str) -> "PartitionReport":
         data = json.loads(text)
-        return cls(data["preset"], tuple(OpPlacement(**o) for o in data["ops"]))
+        return cls(data["preset"], tuple(OpPlacement(**o) for o in data["ops"]), data.get("numerics", "tflite"),
+                   data.get("numerics_why", ""))
 
     def format_table(self) -> str:
         lines = [f"{'var':<12} {'op':<22} {'target':<6} {'composite / reason'}"]
@@ -67,6 +72,7 @@ class PartitionReport:
             lines.append(f"{o.var:<12} {o.op:<22} {o.target:<6} {detail}")
         n = len(self.ops)
         lines.append(f"{len(self.npu_ops)} of {n} operators on the NPU ({self.preset}), {len(self.host_ops)} on the host")
+        lines.append(f"numerics: {self.numerics} ({self.numerics_why})")
         return "\n".join(lines)
 
 

@@ -56,6 +56,23 @@ def test_outputs_equal_onnxruntime(compiled):
         assert mismatched == 0, f"{mismatched} of {got.size} elements differ from onnxruntime"
 
 
+@pytest.mark.parametrize("entry", MODELS, ids=lambda m: m["name"])
+def test_plain_from_onnx_gets_onnxruntime_numerics(entry):
+    """TVM's documented flow, from_onnx then partition_for_npu with no loader and no reference: the importer is
+    recognised by what it leaves in the module, and every output equals onnxruntime's."""
+    import onnx
+    from tvm.relax.frontend.onnx import from_onnx
+
+    mod = from_onnx(onnx.load(ONNX / entry["file"]))
+    partitioned = npu_backend.partition_for_npu(mod)
+    report = npu_backend.partition_report(partitioned)
+    assert report.numerics == "onnxruntime" and report.numerics_why.startswith("detected: zero points are typed")
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    golden = np.load(ONNX / entry["file"].replace(".onnx", ".npz"))
+    for x, expected in zip(golden["inputs"], golden["outputs"]):
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), expected)
+
+
 def _initializers(name):
     from onnx import load, numpy_helper
 

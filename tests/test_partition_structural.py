@@ -162,7 +162,8 @@ def test_single_qdq_conv2d_becomes_one_region_with_one_annotated_composite():
     report = npu_backend.partition_report(partitioned)
     names = ["lv", "lv1", "lv2", "lv3", "lv4", "lv5", "gv"]
     assert report == PartitionReport("npu-256", tuple(
-        OpPlacement(name, op, "npu", composite="npu.conv2d", region=symbol) for name, op in zip(names, CONV_OPS)))
+        OpPlacement(name, op, "npu", composite="npu.conv2d", region=symbol) for name, op in zip(names, CONV_OPS)),
+        "tflite", "detected: every zero point is int32, as TVM's TFLite importer writes them")
 
 
 def test_conv2d_then_softmax_over_a_non_last_axis_leaves_the_softmax_in_main():

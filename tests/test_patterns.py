@@ -9,7 +9,7 @@ import npu_backend
 from npu_backend.ops import decode_composite
 from npu_backend.params import NpuOp
 from npu_backend.patterns import PREFIX, registered_patterns
-from relax_idioms import ConvIdiom
+from relax_idioms import ConvIdiom, activation_module
 
 
 def composite_attrs(mod):
@@ -616,3 +616,45 @@ def test_elu_of_another_alpha_stays_on_host():
     assert "npu.elu" not in {op.composite for op in report.ops}
     (add,) = [op for op in report.host_ops if op.op == "relax.add"]
     assert add.reason == "npu.elu: not -relu(1 - exp(x)) + relu(x), an ELU of alpha 1"
+
+
+def test_plain_from_tflite_gets_tflite_numerics():
+    import tflite
+    from conftest import FIXTURES
+    from tvm.relax.frontend.tflite import from_tflite
+
+    data = (FIXTURES / "tflite" / "add_two_inputs.tflite").read_bytes()
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(from_tflite(tflite.Model.GetRootAsModel(data, 0))))
+    assert report.numerics == "tflite"
+    assert report.numerics_why == ("detected: main carries the 'params' attribute TVM's TFLite importer writes; "
+                                   "every zero point is int32, as TVM's TFLite importer writes them")
+
+
+def test_numerics_that_cannot_be_told_are_stated_and_warned():
+    """int8 zero points (ONNX's) in a module that also carries TFLite's 'params' attribute: TFLite's numerics,
+    a warning saying how to choose, and the report saying why."""
+    from npu_backend.errors import NpuWarning
+
+    mod = activation_module()
+    func = mod["main"]
+    mixed = tvm.IRModule({"main": func.with_attr("params", [])})
+    with pytest.warns(NpuWarning, match="pass reference='onnxruntime'"):
+        report = npu_backend.partition_report(npu_backend.partition_for_npu(_int8_zero_points(mixed)))
+    assert report.numerics == "tflite" and report.numerics_why.startswith("default, the module shows signs of both")
+    assert "numerics: tflite (default" in report.format_table()
+
+
+def _int8_zero_points(mod):
+    """The same module with every zero point typed int8, as TVM's ONNX importer writes them."""
+    from tvm.relax.expr_functor import PyExprMutator, mutator
+
+    @mutator
+    class Narrow(PyExprMutator):
+        def visit_call_(self, call):
+            call = super().visit_call_(call)
+            if call.op.name in ("relax.quantize", "relax.dequantize"):
+                zp = relax.const(call.args[2].value.numpy().astype(np.int8))
+                return relax.Call(call.op, [call.args[0], call.args[1], zp], call.attrs)
+            return call
+
+    return tvm.IRModule({"main": Narrow().visit_expr(mod["main"])}, attrs=mod.attrs)
