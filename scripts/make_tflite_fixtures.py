@@ -2,9 +2,10 @@
 
 Why: the backend must be bit-exact against TFLite's reference kernels, but the
 test suite must not depend on TensorFlow. This script builds small full-integer
-int8 models with random (untrained, seeded) weights, runs LiteRT's BUILTIN_REF
+int8 models (and a few 16x8 ones: int16 activations, int8 weights; see
+Spec.activation_type) with random (untrained, seeded) weights, runs LiteRT's BUILTIN_REF
 interpreter (for ELU, which it lacks, TFLite's one ELU kernel: see NOT_IN_BUILTIN_REF)
-on seeded random int8 inputs, and stores each model next to its
+on seeded random int8 (int16) inputs, and stores each model next to its
 inputs, reference outputs and I/O quantization parameters (`<name>.npz`), plus
 a MANIFEST.json that the tests parametrize over.
 
@@ -24,6 +25,7 @@ Keras order: the converter sorts them by name, descending, so Keras inputs x0,
 x1 become file inputs x1, x0; the MANIFEST description names the file's order):
 
     inputs, input_scale, input_zero_point              input 0: int8 (SAMPLES, *shape), its qparams
+                                                       (int16 in 16x8 models, as are their outputs)
     inputs1, input1_scale, input1_zero_point           input 1 (only if N >= 2)
     ...                                                inputs{i}, input{i}_scale, input{i}_zero_point
     outputs, output_scale, output_zero_point           the single output for each sample
@@ -58,10 +60,27 @@ SAMPLES = 8
 CALIBRATION_SAMPLES = 20
 BN_BATCH = 16
 MAC_OPS = {"CONV_2D", "DEPTHWISE_CONV_2D", "FULLY_CONNECTED"}
-TVM_REJECTS = {"PAD", "STRIDED_SLICE", "GELU", "ELU"}
+TVM_REJECTS = {"PAD", "STRIDED_SLICE", "GELU", "ELU", "RESIZE_NEAREST_NEIGHBOR", "BATCH_MATMUL"}
 """Quantized ops TVM 0.27's TFLite importer refuses ("not supported in frontend TFLite yet"); their fixtures
 test the error path, not the NPU. (Its convert_elu would apply exp to the int8 tensor, but the importer's check
-for quantized operators without QDQ lowering rejects the model first.)"""
+for quantized operators without QDQ lowering rejects the model first; so does that check for convert_batch_matmul,
+which would raise "Quantized BATCH_MATMUL is not yet supported" anyway.) A model's MANIFEST.json `tvm_imports` is
+false if it has one of these ops or its activation type is in TVM_REJECTS_ACTIVATION_TYPES."""
+TVM_REJECTS_ACTIVATION_TYPES = {"int16"}
+"""Activation types (Spec.activation_type) of models TVM 0.27's importer fails on, whatever their ops. The 16x8
+CONV_2D (int16 activations; an int64 bias, which the converter adds even to a bias-free layer) does not get a "not
+supported" message naming the op but "TypeError: Unsupported input datatype for operation: float32", raised while
+the importer normalizes its R.dequantize of that int64 bias."""
+TVM_MATCHES_REFERENCE = {"resize_bilinear_2x_half_pixel": False, "depthwise_3x3_multiplier2_same": False}
+"""Whether TVM 0.27's own lowering reproduces a model's stored BUILTIN_REF outputs: the importer's Relax module,
+built with tvm.compile for llvm (no NPU) and run on the stored inputs. Recorded as MANIFEST.json
+`tvm_matches_reference` for the models named here, which are the imported ones among the fixtures added with this
+record (resize, batch matmul, depth multiplier 2, 16x8); absent, it was not recorded (the older fixtures' tests
+check the NPU path instead). Measured, not derived: rerun the comparison when TVM or these models change. Both differ:
+RESIZE_BILINEAR becomes dequantize -> float resize2d -> quantize, which rounds differently from TFLite's integer
+interpolation (1725 of the 32768 stored output elements off by one); the multiplier-2 DEPTHWISE_CONV_2D (8 of 8192
+off by one) misses as TVM's int8 convolutions generally do (its float requantization; conv2d_3x3_s1_same: 12 of 18432),
+not because of the multiplier."""
 ACTIVATIONS: dict[str | None, Callable | None] = {None: None, "relu": tf.nn.relu, "relu6": tf.nn.relu6}
 # If a random-weight network's outputs move less than this (mean std across the
 # sample inputs, in int8 steps), they barely depend on the input: the network
@@ -111,7 +130,7 @@ class Spec:
     name: str
     kind: str  # "conv2d" | "depthwise_conv2d" | "fully_connected" | "max_pool2d" | "avg_pool2d" | "logistic" |
     #            "tanh" | "pad" | "leaky_relu" | "hard_swish" | "softmax" | "add" | "sub" | "mul" | "mean" |
-    #            "strided_slice" | "gelu" | "exp" | "elu"
+    #            "strided_slice" | "gelu" | "exp" | "elu" | "resize_nearest" | "resize_bilinear" | "batch_matmul"
     input_shape: tuple[int, ...] = (12, 12, 8)  # without the batch dimension
     kernel: int = 3
     stride: int = 1
@@ -126,10 +145,33 @@ class Spec:
     batch: int = 1
     keepdims: bool = True  # mean
     approximate: bool = False  # gelu: tanh approximation instead of erf
+    depth_multiplier: int = 1  # depthwise_conv2d: output channels per input channel
+    half_pixel_centers: bool = False  # resize_*: TFLite's option (align_corners is always False)
+    adj_y: bool = False  # batch_matmul: x0 @ x1^T (x1 has x0's shape) instead of x0 @ x1
+    activation_type: str = "int8"  # "int16": the 16x8 mode (int16 activations, int8 weights, int64 bias)
 
     @property
     def calibration_ranges(self) -> tuple[Range, ...]:
         return self.calibration_range, *self.other_inputs
+
+    @property
+    def other_shape(self) -> tuple[int, ...]:
+        """Shape of inputs x1, ...: x0's, except x1 of a batch_matmul without adj_y, which is x0's transposed."""
+        if self.kind == "batch_matmul" and not self.adj_y:
+            return *self.input_shape[:-2], self.input_shape[-1], self.input_shape[-2]
+        return self.input_shape
+
+    @property
+    def options(self) -> dict[str, object]:
+        """Builtin options the converted op must carry (schema object field names), so a converter that
+        chose other semantics (e.g. half-pixel centers, a transposed operand) fails loudly."""
+        if self.kind in ("resize_nearest", "resize_bilinear"):
+            return dict(alignCorners=False, halfPixelCenters=self.half_pixel_centers)
+        if self.kind == "batch_matmul":
+            return dict(adjX=False, adjY=self.adj_y)
+        if self.kind == "depthwise_conv2d":
+            return dict(depthMultiplier=self.depth_multiplier)
+        return {}
 
 
 DW_INPUT = (12, 12, 16)
@@ -144,11 +186,13 @@ SPECS = [
     Spec("conv2d_5x5_same_nobias", "conv2d", kernel=5, use_bias=False),
     Spec("conv2d_3x3_s2_same_odd", "conv2d", input_shape=(11, 13, 3), stride=2, activation="relu", out_channels=8),
     Spec("conv2d_3x3_same_relu_per_tensor", "conv2d", activation="relu", per_channel=False),
+    Spec("conv2d_3x3_s1_same_int16x8", "conv2d", (8, 8, 8), activation_type="int16"),
     Spec("depthwise_3x3_s1_same_relu6", "depthwise_conv2d", DW_INPUT, activation="relu6"),
     Spec("depthwise_3x3_s2_same", "depthwise_conv2d", DW_INPUT, stride=2),
     Spec("depthwise_3x3_s1_valid_relu", "depthwise_conv2d", DW_INPUT, padding="valid", activation="relu"),
     Spec("depthwise_3x3_dilation2_same", "depthwise_conv2d", DW_INPUT, dilation=2),
     Spec("depthwise_3x3_same_relu6_per_tensor", "depthwise_conv2d", DW_INPUT, activation="relu6", per_channel=False),
+    Spec("depthwise_3x3_multiplier2_same", "depthwise_conv2d", (8, 8, 8), depth_multiplier=2),
     Spec("fc_64x10", "fully_connected", FC_INPUT, out_channels=10),
     Spec("fc_64x10_relu", "fully_connected", FC_INPUT, activation="relu", out_channels=10),
     Spec("fc_64x10_relu6", "fully_connected", FC_INPUT, activation="relu6", out_channels=10),
@@ -176,17 +220,29 @@ SPECS = [
     Spec("exp", "exp", (8, 8, 16), per_channel=False, calibration_range=(-4.0, 1.0)),
     # Mostly negative: the int8 steps below zero carry the exponential, those above it are the identity.
     Spec("elu", "elu", (8, 8, 16), per_channel=False, calibration_range=(-6.0, 4.0)),
+    Spec("resize_nearest_2x", "resize_nearest", (8, 8, 16), per_channel=False),
+    Spec("resize_nearest_2x_half_pixel", "resize_nearest", (8, 8, 16), per_channel=False, half_pixel_centers=True),
+    Spec("resize_bilinear_2x_half_pixel", "resize_bilinear", (8, 8, 16), per_channel=False, half_pixel_centers=True),
+    # Attention-like scores of two activations; asymmetric ranges give both operands nonzero zero points.
+    Spec("batch_matmul", "batch_matmul", (4, 16, 8), per_channel=False, calibration_range=(-1.0, 2.0),
+         other_inputs=((-3.0, 1.0),)),
+    Spec("batch_matmul_adj_y", "batch_matmul", (4, 16, 8), per_channel=False, calibration_range=(-1.0, 2.0),
+         other_inputs=((-3.0, 1.0),), adj_y=True),
 ]
 EXPECTED_OP = {"conv2d": "CONV_2D", "depthwise_conv2d": "DEPTHWISE_CONV_2D", "fully_connected": "FULLY_CONNECTED",
                "max_pool2d": "MAX_POOL_2D", "avg_pool2d": "AVERAGE_POOL_2D", "logistic": "LOGISTIC", "tanh": "TANH",
                "pad": "PAD", "leaky_relu": "LEAKY_RELU", "hard_swish": "HARD_SWISH", "softmax": "SOFTMAX",
                "add": "ADD", "sub": "SUB", "mul": "MUL", "mean": "MEAN", "strided_slice": "STRIDED_SLICE",
-               "gelu": "GELU", "exp": "EXP", "elu": "ELU"}
+               "gelu": "GELU", "exp": "EXP", "elu": "ELU", "resize_nearest": "RESIZE_NEAREST_NEIGHBOR",
+               "resize_bilinear": "RESIZE_BILINEAR", "batch_matmul": "BATCH_MATMUL"}
 ELEMENTWISE = {"logistic": tf.nn.sigmoid, "tanh": tf.nn.tanh, "hard_swish": tf.keras.activations.hard_swish}
 POOLS = {"max_pool2d": tf.keras.layers.MaxPooling2D, "avg_pool2d": tf.keras.layers.AveragePooling2D}
 BINARY = {"add": tf.keras.layers.Add, "sub": tf.keras.layers.Subtract, "mul": tf.keras.layers.Multiply}
 BINARY_SYMBOL = {"add": "+", "sub": "-", "mul": "*"}
 SLICE = "x[:, 1:7:2, :, 2:10]"
+RESIZE_FACTOR = 2
+RESIZE_OPS = {"resize_nearest": tf.raw_ops.ResizeNearestNeighbor, "resize_bilinear": tf.raw_ops.ResizeBilinear}
+"""The raw ops, not tf.image.resize or UpSampling2D: they name align_corners and half_pixel_centers outright."""
 
 
 def seed_of(name: str) -> int:
@@ -225,9 +281,20 @@ def describe(spec: Spec) -> str:
         return f"exp on {shape}, calibrated on {show(spec.calibration_range)}"
     if spec.kind == "elu":
         return f"ELU (alpha 1) on {shape}, calibrated on {show(spec.calibration_range)}"
+    if spec.kind in RESIZE_OPS:
+        method = "nearest neighbor" if spec.kind == "resize_nearest" else "bilinear"
+        return (f"{RESIZE_FACTOR}x {method} resize of {shape}, align_corners False, "
+                f"half_pixel_centers {spec.half_pixel_centers}")
+    if spec.kind == "batch_matmul":
+        other = "x".join(map(str, (spec.batch, *spec.other_shape)))
+        ranges = ", ".join(f"x{i} on {show(r)}" for i, r in enumerate(spec.calibration_ranges))
+        product = "x0 @ x1^T (adj_y)" if spec.adj_y else "x0 @ x1"
+        return f"batch matmul {product} of two activations, x0 {shape}, x1 {other}, calibrated {ranges}"
     bias = "bias" if spec.use_bias else "no bias"
+    multiplier = f", depth multiplier {spec.depth_multiplier}" if spec.depth_multiplier != 1 else ""
+    mode = ", int16 activations and int8 weights (16x8 mode)" if spec.activation_type == "int16" else ""
     return (f"{spec.kind} {spec.kernel}x{spec.kernel} stride {spec.stride} dilation {spec.dilation} "
-            f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights")
+            f"{spec.padding.upper()} on {shape}, {activation}, {bias}, {weights} weights{multiplier}{mode}")
 
 
 def single_layer_model(spec: Spec) -> tf.keras.Model:
@@ -263,15 +330,21 @@ def single_layer_model(spec: Spec) -> tf.keras.Model:
         layer = tf.keras.layers.Lambda(tf.exp)
     elif spec.kind == "elu":
         layer = tf.keras.layers.Activation(tf.nn.elu)
+    elif spec.kind in RESIZE_OPS:
+        size = [RESIZE_FACTOR * spec.input_shape[0], RESIZE_FACTOR * spec.input_shape[1]]
+        layer = tf.keras.layers.Lambda(lambda x: RESIZE_OPS[spec.kind](
+            images=x, size=size, align_corners=False, half_pixel_centers=spec.half_pixel_centers))
+    elif spec.kind == "batch_matmul":
+        layer = tf.keras.layers.Lambda(lambda xs: tf.matmul(xs[0], xs[1], transpose_b=spec.adj_y))
     elif spec.kind == "conv2d":
         layer = tf.keras.layers.Conv2D(spec.out_channels, kernel_initializer=kernel_init, **window, **shared)
     elif spec.kind == "depthwise_conv2d":
-        layer = tf.keras.layers.DepthwiseConv2D(depth_multiplier=1, depthwise_initializer=kernel_init, **window,
-                                                **shared)
+        layer = tf.keras.layers.DepthwiseConv2D(depth_multiplier=spec.depth_multiplier,
+                                                depthwise_initializer=kernel_init, **window, **shared)
     else:
         layer = tf.keras.layers.Dense(spec.out_channels, kernel_initializer=kernel_init, **shared)
     if spec.other_inputs:
-        inputs = [tf.keras.Input(spec.input_shape, batch_size=spec.batch, name=f"x{i}")
+        inputs = [tf.keras.Input(spec.other_shape if i else spec.input_shape, batch_size=spec.batch, name=f"x{i}")
                   for i in range(len(spec.calibration_ranges))]
     else:
         inputs = tf.keras.Input(spec.input_shape, batch_size=spec.batch)
@@ -410,14 +483,21 @@ NETWORKS = [
 ]
 
 
+OPS_SETS = {"int8": tf.lite.OpsSet.TFLITE_BUILTINS_INT8,
+            "int16": tf.lite.OpsSet.EXPERIMENTAL_TFLITE_BUILTINS_ACTIVATIONS_INT16_WEIGHTS_INT8}
+"""Converter op set per activation type: int16 is TFLite's 16x8 quantization mode."""
+
+
 def convert(model: tf.keras.Model, seed: int, per_channel: bool,
-            calibration_ranges: tuple[Range, ...] = (1.0,)) -> bytes:
+            calibration_ranges: tuple[Range, ...] = (1.0,), activation_type: str = "int8") -> bytes:
     """Full-integer int8 conversion, each input calibrated on its uniform range (r = 1: MobileNetV2's
     [-1, 1]; activations use a wider r so their int8 inputs reach the saturating tails).
 
     `_experimental_disable_per_channel` is private but is the only converter
     switch that gives per-tensor conv/depthwise weights, so check() verifies it took effect.
     Ops in CONVERTER_KEEPS_FLOAT come back as the single int8 op (quantize_float_op).
+    With activation_type="int16" the converter's (still experimental) 16x8 op set gives int16
+    activations and model I/O, int8 weights and int64 biases; check() verifies the activation type.
     """
     shapes = [tuple(1 if d is None else d for d in t.shape) for t in model.inputs]
     assert len(shapes) == len(calibration_ranges), (model.name, shapes, calibration_ranges)
@@ -433,9 +513,8 @@ def convert(model: tf.keras.Model, seed: int, per_channel: bool,
     converter = tf.lite.TFLiteConverter.from_keras_model(model)
     converter.optimizations = [tf.lite.Optimize.DEFAULT]
     converter.representative_dataset = representative
-    converter.target_spec.supported_ops = [tf.lite.OpsSet.TFLITE_BUILTINS_INT8]
-    converter.inference_input_type = tf.int8
-    converter.inference_output_type = tf.int8
+    converter.target_spec.supported_ops = [OPS_SETS[activation_type]]
+    converter.inference_input_type = converter.inference_output_type = tf.as_dtype(activation_type)
     converter._experimental_disable_per_channel = not per_channel
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
         # Keras prints its SavedModel export; the warning is about float input statistics, unused for int8 inputs.
@@ -497,13 +576,15 @@ def reference_interpreter(path: Path, ops: list[str]) -> Interpreter:
 
 
 def reference(path: Path, seed: int, ops: list[str]) -> dict[str, np.ndarray]:
-    """Seeded int8 inputs over the whole int8 range and BUILTIN_REF outputs, plus I/O quantization,
-    keyed as the module docstring describes."""
+    """Seeded inputs over the whole range of their type (int8, or int16 in 16x8 models) and BUILTIN_REF outputs,
+    plus I/O quantization, keyed as the module docstring describes."""
     interpreter = reference_interpreter(path, ops)
     interpreter.allocate_tensors()
     ins, (out,) = interpreter.get_input_details(), interpreter.get_output_details()
     rng = np.random.default_rng((seed, 1))
-    inputs = [rng.integers(-128, 128, (SAMPLES, *inp["shape"]), dtype=np.int8) for inp in ins]
+    # For int8 this is the same call (and so the same numbers) as rng.integers(-128, 128, ..., dtype=np.int8).
+    inputs = [rng.integers(np.iinfo(inp["dtype"]).min, np.iinfo(inp["dtype"]).max + 1, (SAMPLES, *inp["shape"]),
+                           dtype=inp["dtype"]) for inp in ins]
     outputs = []
     for sample in zip(*inputs):
         for inp, x in zip(ins, sample):
@@ -527,12 +608,15 @@ class Inspection:
     input_names: list[str]  # signature (Keras) names of the model inputs, in subgraph order
     input_scales: list[float]  # of the model inputs, in subgraph order
     softmax_input_scales: list[float]
+    activation_types: set[str]  # of the model inputs and every op output, i.e. of all non-constant tensors
+    options: list[dict[str, object]]  # builtin options of each op (schema object fields), in execution order
 
 
 def inspect(path: Path) -> Inspection:
     interpreter = Interpreter(model_path=str(path))
     tensors = {t["index"]: t for t in interpreter.get_tensor_details()}
     ops = interpreter._get_ops_details()
+    (graph,) = flatbuffer_utils.read_model(str(path)).subgraphs
     signature_names = {details["index"]: key
                        for key, details in interpreter.get_signature_runner().get_input_details().items()}
     return Inspection(
@@ -542,20 +626,35 @@ def inspect(path: Path) -> Inspection:
         input_names=[signature_names[inp["index"]] for inp in interpreter.get_input_details()],
         input_scales=[float(inp["quantization"][0]) for inp in interpreter.get_input_details()],
         softmax_input_scales=[float(tensors[op["inputs"][0]]["quantization"][0])
-                              for op in ops if op["op_name"] == "SOFTMAX"])
+                              for op in ops if op["op_name"] == "SOFTMAX"],
+        activation_types={np.dtype(tensors[i]["dtype"]).name for i in
+                          (*(inp["index"] for inp in interpreter.get_input_details()),
+                           *(i for op in ops for i in op["outputs"]))},
+        options=[vars(op.builtinOptions) if op.builtinOptions is not None else {} for op in graph.operators])
 
 
 def check(name: str, found: Inspection, per_channel: bool, expected_ops: str | frozenset[str],
-          calibration_ranges: dict[str, Range]) -> None:
-    """Fail loudly if the converter produced other ops than expected, ignored the per-channel setting,
-    fed calibration data to the wrong input, or gave a softmax an input scale the reference aborts on.
+          calibration_ranges: dict[str, Range], activation_type: str = "int8",
+          options: dict[str, object] | None = None) -> None:
+    """Fail loudly if the converter produced other ops than expected, left activations in another type
+    (e.g. float around an op it could not quantize), gave the single op other options than asked for,
+    ignored the per-channel setting, fed calibration data to the wrong input, or gave a softmax an input
+    scale the reference aborts on.
 
     `expected_ops` is one op name (the model must be exactly that op) or the exact set of a network's ops;
-    `calibration_ranges` maps each Keras input name to its calibration range.
+    `calibration_ranges` maps each Keras input name to its calibration range; `options` are builtin option
+    values the single op must have.
     """
     ops, weight_scales = found.ops, found.weight_scales
     if isinstance(expected_ops, str) and ops != [expected_ops]:
         raise SystemExit(f"{name}: expected a single {expected_ops}, converter produced {ops}")
+    if found.activation_types != {activation_type}:
+        raise SystemExit(f"{name}: expected {activation_type} activations, the model has "
+                         f"{sorted(found.activation_types)}")
+    for key, value in (options or {}).items():
+        if found.options[0].get(key) != value:
+            raise SystemExit(f"{name}: expected {expected_ops} option {key}={value}, converter produced "
+                             f"{found.options[0]}")
     if isinstance(expected_ops, frozenset) and set(ops) != expected_ops:
         raise SystemExit(f"{name}: expected the operators {sorted(expected_ops)}, converter produced {ops}")
     if sorted(found.input_names) != sorted(calibration_ranges):
@@ -579,26 +678,32 @@ def check(name: str, found: Inspection, per_channel: bool, expected_ops: str | f
 
 
 def write(name: str, kind: str, description: str, model: tf.keras.Model, per_channel: bool,
-          expected_ops: str | frozenset[str], calibration_ranges: tuple[Range, ...] = (1.0,)) -> dict:
+          expected_ops: str | frozenset[str], calibration_ranges: tuple[Range, ...] = (1.0,),
+          activation_type: str = "int8", options: dict[str, object] | None = None) -> dict:
     """Convert, store model and goldens, print a summary line and return the manifest entry."""
     seed = seed_of(name)
     path = OUT / f"{name}.tflite"
-    path.write_bytes(convert(model, seed, per_channel, calibration_ranges))
+    path.write_bytes(convert(model, seed, per_channel, calibration_ranges, activation_type))
     found = inspect(path)
     ops = found.ops
-    check(name, found, per_channel, expected_ops, {t.name: r for t, r in zip(model.inputs, calibration_ranges)})
+    check(name, found, per_channel, expected_ops, {t.name: r for t, r in zip(model.inputs, calibration_ranges)},
+          activation_type, options)
     if len(found.input_names) > 1:
         description += f"; the file's inputs in order: {', '.join(found.input_names)}"
     golden = reference(path, seed, ops)
     np.savez_compressed(path.with_suffix(".npz"), **golden)
     outputs = golden["outputs"]
+    lo, hi = np.iinfo(outputs.dtype).min, np.iinfo(outputs.dtype).max
     print(f"{name:<36} {path.stat().st_size:>8} B  out {'x'.join(map(str, outputs.shape[1:])):<11} "
-          f"{len(np.unique(outputs)):>3} distinct, {np.mean(outputs == -128):4.0%} at -128, "
-          f"{np.mean(outputs == 127):4.0%} at 127  {'per-channel' if per_channel else 'per-tensor '}  "
+          f"{len(np.unique(outputs)):>3} distinct, {np.mean(outputs == lo):4.0%} at {lo}, "
+          f"{np.mean(outputs == hi):4.0%} at {hi}  {'per-channel' if per_channel else 'per-tensor '}  "
           f"{' '.join(sorted(set(ops)))}")
-    return dict(name=name, file=path.name, kind=kind, description=description, per_channel=per_channel,
-                num_inputs=len(calibration_ranges), operators=sorted(set(ops)),
-                tvm_imports=not TVM_REJECTS & set(ops))
+    entry = dict(name=name, file=path.name, kind=kind, description=description, per_channel=per_channel,
+                 num_inputs=len(calibration_ranges), operators=sorted(set(ops)),
+                 tvm_imports=not TVM_REJECTS & set(ops) and activation_type not in TVM_REJECTS_ACTIVATION_TYPES)
+    if name in TVM_MATCHES_REFERENCE:
+        entry["tvm_matches_reference"] = TVM_MATCHES_REFERENCE[name]
+    return entry
 
 
 def check_network_outputs(name: str) -> None:
@@ -683,7 +788,8 @@ def main() -> None:
         tf.keras.backend.clear_session()
         tf.keras.utils.set_random_seed(seed_of(spec.name))
         manifest.append(write(spec.name, spec.kind, describe(spec), single_layer_model(spec), spec.per_channel,
-                              EXPECTED_OP[spec.kind], spec.calibration_ranges))
+                              EXPECTED_OP[spec.kind], spec.calibration_ranges, spec.activation_type,
+                              spec.options))
     for network in NETWORKS:
         tf.keras.backend.clear_session()
         tf.keras.utils.set_random_seed(seed_of(network.name))
