@@ -71,6 +71,11 @@ class LayerGeometry:
         start, stop = max(0, first), min(self.height, last + 1)
         return start, stop, start - first, last + 1 - stop
 
+    @property
+    def multiplier(self) -> int:
+        """Output channels per input channel of a depthwise layer (its channel multiplier); 1 otherwise."""
+        return self.out_channels // self.in_channels if self.depthwise else 1
+
     def weight_bytes(self, channels: int) -> int:
         if not self.has_weights:
             return 0
@@ -104,7 +109,7 @@ def _align_down(value: int, config: NpuConfig) -> int:
 
 def _layout(g: LayerGeometry, channels: int, rows: int, config: NpuConfig) -> TilePlan:
     in_rows = (rows - 1) * g.strides[0] + g.dilation[0] * (g.kernel[0] - 1) + 1
-    in_channels = channels if g.depthwise else g.in_channels
+    in_channels = channels // g.multiplier if g.depthwise else g.in_channels
     sizes = (g.weight_bytes(channels), g.scale_bias_bytes(channels),
              min(in_rows, g.height) * g.width * in_channels, rows * g.out_width * channels)
     addresses, cursor = [], 0
@@ -121,9 +126,9 @@ def plan_layer(p: ConvParams | PoolParams, config: NpuConfig) -> TilePlan:
     expected_h = conv_output_size(g.height, g.kernel[0], g.strides[0], g.dilation[0], g.padding[0], g.padding[2])
     if (expected_h, expected_w) != (g.out_height, g.out_width):
         raise UnsupportedOpError("output shape does not follow from the window arithmetic")
-    splits = 1
+    splits, m = 1, g.multiplier  # a depthwise tile holds whole groups of m outputs of one input channel
     while True:
-        channels = math.ceil(g.out_channels / splits)
+        channels = math.ceil(g.out_channels / splits / m) * m
         low, high, best = 1, g.out_height, None
         while low <= high:  # SRAM use grows with rows: binary search the largest stripe
             mid = (low + high) // 2
@@ -134,7 +139,7 @@ def plan_layer(p: ConvParams | PoolParams, config: NpuConfig) -> TilePlan:
                 high = mid - 1
         if best is not None:
             return best
-        if channels == 1:
+        if channels == m:
             raise UnsupportedOpError(f"one output row of one channel needs more than the "
                                      f"{config.sram_bytes}-byte SRAM, so the layer cannot be tiled")
         splits *= 2

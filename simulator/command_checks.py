@@ -74,8 +74,9 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
     if (conv.ofm.height, conv.ofm.width) != expected:
         raise StreamError(f"{where}: ofm {conv.ofm.height}x{conv.ofm.width} does not match the "
                           f"window arithmetic ({expected[0]}x{expected[1]})")
-    if opcode == Opcode.DEPTHWISE_CONV2D and conv.ifm.channels != conv.ofm.channels:
-        raise StreamError(f"{where}: depthwise ifm and ofm channels differ")
+    if opcode == Opcode.DEPTHWISE_CONV2D and conv.ofm.channels % conv.ifm.channels:
+        raise StreamError(f"{where}: depthwise ofm channels {conv.ofm.channels} are not a multiple of the ifm's "
+                          f"{conv.ifm.channels} (the channel multiplier)")
     if opcode == Opcode.FULLY_CONNECTED and (conv.kernel, conv.stride, conv.padding, conv.ifm.width) != (
             (1, 1), (1, 1), (0, 0, 0, 0), 1):
         raise StreamError(f"{where}: fully connected takes an Nx1 ifm, 1x1 kernel, no stride or padding")

@@ -84,10 +84,12 @@ def _accumulate_conv2d(x: np.ndarray, weights: np.ndarray, conv: Convolution) ->
 
 
 def _accumulate_depthwise(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
-    """DEPTHWISE_CONV2D: each channel sums over its own kernel taps only."""
+    """DEPTHWISE_CONV2D: each output channel sums over its input channel's kernel taps only; with a channel
+    multiplier m (ofm channels = m * ifm channels) output channel o reads input channel o // m."""
+    multiplier = conv.ofm.channels // conv.ifm.channels
     acc = np.zeros((conv.ofm.height, conv.ofm.width, conv.ofm.channels), dtype=np.float64)
     for ky, kx, window in _windows(x, conv):
-        acc += window * weights[:, ky, kx]
+        acc += (np.repeat(window, multiplier, axis=-1) if multiplier > 1 else window) * weights[:, ky, kx]
     return acc
 
 

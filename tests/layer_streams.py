@@ -33,7 +33,8 @@ def run_layer(p, config, x: np.ndarray, x2: np.ndarray | None = None):
 
 
 def random_params(rng, op: NpuOp, ifm_shape, out_channels=None, kernel=(3, 3), strides=(1, 1),
-                  dilation=(1, 1), padding=(1, 1, 1, 1), clamp=(-128, 127), per_channel=True) -> ConvParams:
+                  dilation=(1, 1), padding=(1, 1, 1, 1), clamp=(-128, 127), per_channel=True,
+                  multiplier=1) -> ConvParams:
     from simulator.isa import conv_output_size
 
     if op == NpuOp.FULLY_CONNECTED:
@@ -43,7 +44,7 @@ def random_params(rng, op: NpuOp, ifm_shape, out_channels=None, kernel=(3, 3), s
         ofm_shape, kernel, strides, dilation, padding = (batch, oc), (1, 1), (1, 1), (1, 1), (0, 0, 0, 0)
     else:
         _, h, w, ic = ifm_shape
-        oc = ic if op == NpuOp.DEPTHWISE_CONV2D else out_channels
+        oc = ic * multiplier if op == NpuOp.DEPTHWISE_CONV2D else out_channels
         shape = (oc, *kernel) if op == NpuOp.DEPTHWISE_CONV2D else (oc, *kernel, ic)
         weights = rng.integers(-127, 128, shape, dtype=np.int8)
         oh = conv_output_size(h, kernel[0], strides[0], dilation[0], padding[0], padding[2])

@@ -45,9 +45,11 @@ def multiply_by_quantized_multiplier(x: int, multiplier: int, shift: int) -> int
 
 
 def _conv2d_accumulators(x, w, bias, in_zp, stride, dilation, padding, depthwise):
-    """Exact int accumulators [OH][OW][OC] (bias included): x [H][W][C], w [OC][KH][KW][IC] or [C][KH][KW]."""
+    """Exact int accumulators [OH][OW][OC] (bias included): x [H][W][C], w [OC][KH][KW][IC] or, depthwise,
+    [OC][KH][KW] with OC = m * C: output channel oc reads input channel oc // m (TFLite's depth multiplier)."""
     h, wd = len(x), len(x[0])
     oc_count = len(w)
+    multiplier = oc_count // len(x[0][0])
     kh, kw = len(w[0]), len(w[0][0])
     span_h, span_w = dilation[0] * (kh - 1) + 1, dilation[1] * (kw - 1) + 1
     oh = (h + padding[0] + padding[2] - span_h) // stride[0] + 1
@@ -64,7 +66,7 @@ def _conv2d_accumulators(x, w, bias, in_zp, stride, dilation, padding, depthwise
                         if not (0 <= iy < h and 0 <= ix < wd):
                             continue  # padding holds the zero point: contributes 0
                         if depthwise:
-                            acc += (x[iy][ix][oc] - in_zp) * w[oc][ky][kx]
+                            acc += (x[iy][ix][oc // multiplier] - in_zp) * w[oc][ky][kx]
                         else:
                             for ic in range(len(x[0][0])):
                                 acc += (x[iy][ix][ic] - in_zp) * w[oc][ky][kx][ic]

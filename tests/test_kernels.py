@@ -187,3 +187,19 @@ def test_softmax_kernel_matches_reference_per_pixel():
     np.testing.assert_array_equal(got.reshape(-1, 13), np.array(want, dtype=np.int8))
     (cost,) = [c for c in stats.commands if c.opcode == Opcode.SOFTMAX]
     assert cost.cycles > 35 * 3  # at least three passes over every row
+
+
+@pytest.mark.parametrize("config", [BASE, TINY_SRAM], ids=["one_tile", "tiled"])
+@pytest.mark.parametrize("multiplier, strides", [(2, (1, 1)), (3, (2, 2))])
+def test_depthwise_channel_multiplier_equals_the_reference(config, multiplier, strides):
+    """TFLite's depth multiplier: output channel o reads input channel o // m. Tiles hold whole groups of m
+    outputs of one input channel; the 1 KiB SRAM splits the 48 output channels."""
+    rng = np.random.default_rng(11 + multiplier)
+    p = random_params(rng, NpuOp.DEPTHWISE_CONV2D, (1, 9, 7, 16), strides=strides, multiplier=multiplier)
+    assert p.out_channels == 16 * multiplier
+    x = rng.integers(-128, 128, p.ifm_shape, dtype=np.int8)
+    got, stats = run_layer(p, config, x)
+    np.testing.assert_array_equal(got, reference_layer(p, x))
+    if config is TINY_SRAM:
+        tile = plan_layer(p, config).channel_tile
+        assert tile < p.out_channels and tile % multiplier == 0

@@ -443,3 +443,12 @@ def test_mutated_onnxruntime_streams_fail_only_with_npu_errors():
     data = encode_stream(CommandStream("ort", CONFIG.name, buffers, (dma_in, dma_in2, *_ort_commands(), dma_out),
                                        version=(1, 3)))  # no checksum: the mutants reach the parser
     mutate_and_run(data, random.Random(99), count=300, max_flips=4)
+
+
+def test_depthwise_ofm_channels_must_be_a_multiple_of_the_ifm_channels():
+    """The channel multiplier is ofm / ifm channels: 10 outputs of 4 input channels is no multiplier."""
+    p = random_params(np.random.default_rng(2), NpuOp.DEPTHWISE_CONV2D, (1, 6, 6, 4), multiplier=2)
+    stream = layer_stream(p, CONFIG)
+    index, conv = next((i, c.payload) for i, c in enumerate(stream.commands) if c.opcode == Opcode.DEPTHWISE_CONV2D)
+    with pytest.raises(StreamError, match="depthwise ofm channels 10 are not a multiple of the ifm's 4"):
+        validate_stream(_with_command(stream, index, ofm=dataclasses.replace(conv.ofm, channels=10)), CONFIG)

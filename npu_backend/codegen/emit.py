@@ -83,7 +83,7 @@ def _emit_mac(sb: StreamBuilder, opcode: Opcode, p: ConvParams, plan: TilePlan, 
         ct = min(plan.channel_tile, g.out_channels - c0)
         sb.dma(layer, weights, c0 * per_channel_weights, plan.weights_address, ct * per_channel_weights)
         sb.dma(layer, scale_bias, c0 * table.shape[1] * 4, plan.scale_bias_address, ct * table.shape[1] * 4)
-        in_c0, in_ct = (c0, ct) if g.depthwise else (0, g.in_channels)
+        in_c0, in_ct = (c0 // g.multiplier, ct // g.multiplier) if g.depthwise else (0, g.in_channels)
         for oy0 in range(0, g.out_height, plan.row_tile):
             oy1 = min(g.out_height, oy0 + plan.row_tile)
             iy0, iy1, pad_top, pad_bottom = g.input_rows(oy0, oy1)

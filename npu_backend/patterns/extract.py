@@ -162,9 +162,10 @@ def _conv_common(annotations, op: NpuOp) -> ConvParams:
     else:
         if layouts != ("NHWC", "HWOI", "NHWC"):
             raise UnsupportedOpError(f"layouts {layouts} are not NHWC/HWOI")
-        if groups != channels or ofm_shape[3] != channels:
-            raise UnsupportedOpError("depthwise convolution needs groups == channels and multiplier 1")
-        out_channels = channels
+        if groups != channels or ofm_shape[3] % channels:
+            raise UnsupportedOpError(f"depthwise convolution needs groups == channels ({groups} != {channels}) and "
+                                     f"a whole channel multiplier ({ofm_shape[3]} outputs of {channels} channels)")
+        out_channels = ofm_shape[3]  # channel multiplier m: output o reads input o // m (TFLite's rule)
         value, scales, zps, per_channel = _weights(annotations, out_channels, oc_axis_after=2)
         weights = np.transpose(value[:, :, :, 0], (2, 0, 1))  # HWO1 -> [C, KH, KW]
     padding = tuple(int(p) for p in attrs.padding)
