@@ -5,7 +5,9 @@ idioms differ from the TFLite importer's, and the reference for them is
 onnxruntime executing the QDQ graph literally. This script builds small float
 ONNX models with `onnx.helper` (random, seeded weights and biases), quantizes
 them with `onnxruntime.quantization.quantize_static` (QDQ format, int8
-activations and weights, MinMax calibration on seeded uniform inputs), runs
+activations and weights, MinMax calibration on seeded uniform inputs unless a
+model names another method: MANIFEST.json `calibrate_method`, absent for
+MinMax), runs
 onnxruntime on seeded inputs and stores each model next to its inputs,
 reference outputs and I/O quantization parameters (`<name>.npz`), plus a
 MANIFEST.json that tests can parametrize over.
@@ -40,6 +42,21 @@ Averages that land exactly on .5 of an output step round by float32 noise in
 onnxruntime (it sums each window column by column), so an integer pooling unit
 can disagree with the reference there by one step.
 
+The squeeze-and-excite models (se_block_*) are one float model quantized once
+per calibration method (MinMax, Entropy, Percentile, each with quantize_static's
+defaults) on the same calibration inputs, because a backend must accept the
+graph whichever method a user ran. Through quantize_static, Entropy histograms
+all calibration outputs at once into 128 bins and searches 128 quantized bins,
+so its only candidate is the full range and its qparams equal MinMax's;
+Percentile (99.999 on 2048 bins of |x|) trims only a fraction of a bin, so its
+scales are a few 1e-4 relative smaller and some outputs move by a step.
+Real SE blocks come from trained networks, so its weights are He-scaled
+(normal with std sqrt(2 / fan_in)) and its biases small: activations neither
+saturate nor vanish, and the sigmoid gate spreads over (0, 1) per channel
+instead of sitting at 0.5. The gate ([1,16,1,1]) is broadcast over the
+[1,16,12,12] block input by a quantized Mul. The input is 1x8x12x12 like the
+other models' because at 16x16 the .npz outgrows MAX_FILE_BYTES (127 kB).
+
 Run from the repository root, in an environment with the `fixtures` extra
 (onnx, onnxruntime):
 
@@ -52,6 +69,8 @@ only read the files written here.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import tempfile
@@ -64,7 +83,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
-from onnxruntime.quantization import CalibrationDataReader, QuantFormat, QuantType, quantize_static
+from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                      quantize_static)
 
 OUT = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "onnx"
 SAMPLES = 8
@@ -182,6 +202,25 @@ def residual(b: GraphBuilder) -> tuple[str, tuple[int, ...]]:
     return b.node("Relu", [summed], OUTPUT_NAME), FEATURES
 
 
+def he_std(in_channels: int, kernel: int) -> float:
+    """He initialization's std, sqrt(2 / fan_in): what a trained ReLU network's weights are scaled like, so each
+    layer keeps its input's variance instead of saturating or shrinking it."""
+    return float(np.sqrt(2.0 / (in_channels * kernel * kernel)))
+
+
+def se_block(b: GraphBuilder) -> tuple[str, tuple[int, ...]]:
+    """A MobileNetV3-like block: Conv 3x3 8->16 + Relu, squeeze-and-excite (GlobalAveragePool, Conv 1x1 16->4,
+    Relu, Conv 1x1 4->16, Sigmoid, Mul of the gate into the block input), then a Conv 1x1 16->8 projection. He-scaled
+    weights and small biases (the excite conv's larger, so the gate differs between channels; with this seed it
+    ranges over about 0.1 to 0.9, and one of the four squeezed channels is always 0 after its Relu)."""
+    block = b.node("Relu", [b.conv(INPUT_NAME, 8, 16, 3, 1, std=he_std(8, 3), bias_std=0.1)])
+    squeezed = b.node("Relu", [b.conv(b.node("GlobalAveragePool", [block]), 16, 4, 1, 0, std=he_std(16, 1),
+                                      bias_std=0.1)])
+    gate = b.node("Sigmoid", [b.conv(squeezed, 4, 16, 1, 0, std=he_std(4, 1), bias_std=0.5)])
+    excited = b.node("Mul", [block, gate])
+    return b.conv(excited, 16, 8, 1, 0, std=he_std(16, 1), bias_std=0.1, output=OUTPUT_NAME), FEATURES
+
+
 @dataclass(frozen=True)
 class Spec:
     name: str
@@ -194,6 +233,15 @@ class Spec:
     # far from 0 (convolution padding, pools and Add must then handle it) unless activations are symmetric.
     calibration_range: tuple[float, float] = (-1.0, 2.0)
     extra_options: tuple[tuple[str, object], ...] = ()  # more quantize_static extra_options
+    # quantize_static's calibrate_method; None is its default, MinMax, and keeps the key out of MANIFEST.json.
+    calibrate_method: CalibrationMethod | None = None
+    # The name whose seed draws the weights, the calibration inputs and the reference inputs (default: this
+    # spec's own), so specs that differ only in how they are quantized share one float model and its data.
+    seed_name: str | None = None
+
+    @property
+    def seed(self) -> int:
+        return seed_of(self.seed_name or self.name)
 
 
 def _conv_relu_spec(per_channel: bool, symmetric: bool) -> Spec:
@@ -202,6 +250,14 @@ def _conv_relu_spec(per_channel: bool, symmetric: bool) -> Spec:
     return Spec(f"conv_relu_{weights}_{activations}", conv_relu,
                 f"Conv 3x3 pads 1 8->16 with bias, then Relu, on 1x8x12x12; {weights.replace('_', '-')} weights, "
                 f"{activations} activations", per_channel=per_channel, activation_symmetric=symmetric)
+
+
+def _se_block_spec(method: CalibrationMethod) -> Spec:
+    return Spec(f"se_block_{method.name.lower()}", se_block,
+                f"Conv 3x3 pads 1 8->16 + Relu on 1x8x12x12, squeeze-and-excite (GlobalAveragePool, Conv 1x1 16->4, "
+                f"Relu, Conv 1x1 4->16, Sigmoid, Mul of the [1,16,1,1] gate into the [1,16,12,12] block), Conv 1x1 "
+                f"16->8; {method.name} calibration", calibrate_method=method,
+                seed_name="se_block")
 
 
 # quantize_static leaves an AveragePool in float unless its input is already quantized (it shares the input's
@@ -223,6 +279,8 @@ SPECS = [
     Spec("concat", concat, "Conv 1x1 (large weights) + Relu branch and Conv 3x3 (small weights) branch from one "
          "1x8x12x12 input, concatenated on channels (-> 1x16x12x12): the Concat inputs have different ranges"),
     Spec("residual", residual, "Conv 3x3 + Relu, Conv 3x3 (8->8, bias), Add of the 1x8x12x12 input (skip), Relu"),
+    *(_se_block_spec(method) for method in (CalibrationMethod.MinMax, CalibrationMethod.Entropy,
+                                            CalibrationMethod.Percentile)),
 ]
 
 
@@ -239,10 +297,12 @@ class UniformReader(CalibrationDataReader):
 
 
 def quantize(spec: Spec, float_model: onnx.ModelProto) -> onnx.ModelProto:
-    with tempfile.TemporaryDirectory(prefix="onnx_fixture.") as tmp:
+    # The histogram calibrators (Entropy, Percentile) print their progress; keep the script's one line per model.
+    with tempfile.TemporaryDirectory(prefix="onnx_fixture.") as tmp, contextlib.redirect_stdout(io.StringIO()):
         path = Path(tmp) / f"{spec.name}.onnx"
-        quantize_static(float_model, path, UniformReader(seed_of(spec.name), spec.input_shape, spec.calibration_range),
+        quantize_static(float_model, path, UniformReader(spec.seed, spec.input_shape, spec.calibration_range),
                         quant_format=QuantFormat.QDQ, per_channel=spec.per_channel,
+                        calibrate_method=spec.calibrate_method or CalibrationMethod.MinMax,
                         activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
                         extra_options={"ActivationSymmetric": spec.activation_symmetric, **dict(spec.extra_options)})
         return onnx.load(path)
@@ -346,7 +406,7 @@ def op_types(model: onnx.ModelProto) -> list[str]:
 
 
 def write(spec: Spec) -> dict:
-    seed = seed_of(spec.name)
+    seed = spec.seed
     builder = GraphBuilder(np.random.default_rng(seed), spec.input_shape)
     output, output_shape = spec.build(builder)
     assert output == OUTPUT_NAME
@@ -372,7 +432,8 @@ def write(spec: Spec) -> dict:
                 activation_symmetric=spec.activation_symmetric, extra_options=dict(spec.extra_options),
                 calibration_range=list(spec.calibration_range), input=INPUT_NAME, output=OUTPUT_NAME,
                 input_shape=list(spec.input_shape), output_shape=list(output_shape), operators=op_types(model),
-                float_operators=op_types(float_model))
+                float_operators=op_types(float_model),
+                **({} if spec.calibrate_method is None else {"calibrate_method": spec.calibrate_method.name}))
 
 
 def remove_stale(keep: set[str]) -> None:
