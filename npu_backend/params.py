@@ -113,7 +113,8 @@ class ConvParams:
 
 @dataclass(frozen=True)
 class ElementwiseParams:
-    """An int8 elementwise ADD, SUB or MUL of two same-shaped tensors, requantized to the output."""
+    """An int8 elementwise ADD, SUB or MUL of two tensors of ``shape`` (either may be a per-channel vector
+    broadcast over the rest), requantized to the output."""
 
     op: NpuOp
     shape: tuple[int, ...]
@@ -128,6 +129,9 @@ class ElementwiseParams:
     input2_values: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int8), compare=False, repr=False)
     """The second operand when it is a constant (e.g. ONNX MatMul's bias, added as its own quantized Add),
     broadcast to ``shape``; empty when the graph computes it."""
+    broadcast: tuple[int, ...] = ()
+    """Indices (0: input, 1: input2) of computed operands that hold one value per channel (shape
+    [1, ..., 1, C]) and are broadcast over every other axis, as a squeeze-excite gate is."""
 
 
 @dataclass(frozen=True)

@@ -182,11 +182,16 @@ class MeanPlan:
 
 
 def plan_elementwise(p: ElementwiseParams, config: NpuConfig) -> ElementwisePlan:
-    """Largest element chunk such that both inputs and the output fit side by side."""
+    """Largest element chunk such that both inputs and the output fit side by side; whole pixels when an
+    operand is a per-channel vector, which is replicated over the chunk's pixels."""
     total = math.prod(p.shape)
     chunk = min(total, _align_down(config.sram_bytes // 3, config))
+    if p.broadcast:
+        channels = p.shape[-1]
+        chunk = min(total, config.sram_bytes // 3 // channels * channels)
     if chunk < 1:
-        raise UnsupportedOpError(f"the {config.sram_bytes}-byte SRAM cannot hold three elementwise operands")
+        raise UnsupportedOpError(f"the {config.sram_bytes}-byte SRAM cannot hold three elementwise operands"
+                                 + (" of a whole pixel each" if p.broadcast else ""))
     stride = _align(chunk, config)
     return ElementwisePlan(chunk, 0, stride, 2 * stride)
 

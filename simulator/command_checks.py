@@ -27,8 +27,11 @@ def _extent(offset: int, rows: int, stride: int, row_bytes: int) -> int:
 def check_dma(stream: CommandStream, config: NpuConfig, opcode: Opcode, dma: DmaCopy, where: str) -> None:
     if dma.rows < 1 or dma.row_bytes < 1:
         raise StreamError(f"{where}: DMA must move at least one byte")
-    if dma.rows > 1 and (dma.src_stride < dma.row_bytes or dma.dst_stride < dma.row_bytes):
-        raise StreamError(f"{where}: DMA strides shorter than a row would overlap rows")
+    if dma.rows > 1 and dma.dst_stride < dma.row_bytes:
+        raise StreamError(f"{where}: DMA destination stride {dma.dst_stride} shorter than a row would overlap rows")
+    if dma.rows > 1 and 0 < dma.src_stride < dma.row_bytes:
+        raise StreamError(f"{where}: DMA source stride {dma.src_stride} must be 0 (a broadcast read) or at least "
+                          f"a row")
     if (dma.src_space == MemorySpace.DRAM) == (dma.dst_space == MemorySpace.DRAM):
         raise StreamError(f"{where}: DMA must move between DRAM and SRAM")
     for side, space, buffer, offset, stride in (

@@ -1,5 +1,7 @@
 """The npu pattern table: what matches, the exact qparams extracted, and what must not match."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import tvm
@@ -207,9 +209,10 @@ def test_divide_is_not_an_npu_operator():
 
 
 def test_broadcasting_add_stays_on_host():
+    """Only a per-channel vector broadcasts on the NPU; a [1, 1, 6, 8] operand does not."""
     from relax_idioms import add_module
 
-    mod = npu_backend.partition_for_npu(add_module(shape2=(1, 1, 1, 8)))
+    mod = npu_backend.partition_for_npu(add_module(shape2=(1, 1, 6, 8)))
     assert composites(mod) == []
     add = next(o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.add")
     assert "broadcasting add" in add.reason
@@ -658,3 +661,41 @@ def _int8_zero_points(mod):
             return call
 
     return tvm.IRModule({"main": Narrow().visit_expr(mod["main"])}, attrs=mod.attrs)
+
+
+@pytest.mark.parametrize("shapes, broadcast", [
+    (((1, 6, 5, 8), (1, 1, 1, 8)), (1,)),   # x * gate: a squeeze-excite multiply
+    (((1, 1, 1, 8), (1, 6, 5, 8)), (0,)),   # gate * x
+])
+@pytest.mark.parametrize("op", ["multiply", "add"])
+def test_per_channel_broadcast_runs_exactly(shapes, broadcast, op):
+    """A per-channel operand is replicated over the pixels by a stride-0 DMA read (on npu-tiny, chunk by chunk);
+    every element equals TFLite's MUL / ADD restated element by element (reference_kernels) on the broadcast
+    operands."""
+    import reference_kernels as ref
+    from relax_idioms import add_module
+
+    q1, q2, q_out = (0.03, -5), (0.02, 7), (0.004, -3) if op == "multiply" else (0.05, 1)
+    mod = npu_backend.partition_for_npu(add_module(shapes[0], shapes[1], q1, q2, q_out, op=getattr(relax.op, op)),
+                                        dataclasses.replace(npu_backend.get_config("npu-tiny"), name="npu-64b",
+                                                            sram_bytes=64))
+    (name, p), = composites(mod)
+    assert name == f"npu.{op}" and p.broadcast == broadcast and p.shape == (1, 6, 5, 8)
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(mod), target="llvm"), tvm.cpu())
+    rng = np.random.default_rng(7)
+    a, b = (rng.integers(-128, 128, s, dtype=np.int8) for s in shapes)
+    got = vm["main"](tvm.runtime.tensor(a), tvm.runtime.tensor(b)).numpy()
+    wa, wb = (np.broadcast_to(v, (1, 6, 5, 8)).reshape(-1).tolist() for v in (a, b))
+    f32 = lambda v: float(np.float32(v))  # noqa: E731
+    reference = ref.mul if op == "multiply" else ref.add
+    want = reference(wa, wb, f32(q1[0]), q1[1], f32(q2[0]), q2[1], f32(q_out[0]), q_out[1], (-128, 127))
+    np.testing.assert_array_equal(got.reshape(-1), want)
+
+
+def test_other_broadcasts_stay_on_the_host():
+    from relax_idioms import add_module
+
+    mod = npu_backend.partition_for_npu(add_module((1, 6, 5, 8), (1, 6, 1, 8), op=relax.op.multiply))
+    (mul,) = [o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.multiply"]
+    assert mul.reason == ("npu.multiply: broadcasting multiply ([1, 6, 5, 8] and [1, 6, 1, 8]) is supported only "
+                          "of a per-channel vector [1, ..., 1, C] over the other operand")

@@ -452,3 +452,25 @@ def test_depthwise_ofm_channels_must_be_a_multiple_of_the_ifm_channels():
     index, conv = next((i, c.payload) for i, c in enumerate(stream.commands) if c.opcode == Opcode.DEPTHWISE_CONV2D)
     with pytest.raises(StreamError, match="depthwise ofm channels 10 are not a multiple of the ifm's 4"):
         validate_stream(_with_command(stream, index, ofm=dataclasses.replace(conv.ofm, channels=10)), CONFIG)
+
+
+@pytest.mark.parametrize("src_stride, dst_stride, message", [
+    (0, 8, None),                                       # a broadcast read: the same row again
+    (4, 8, "source stride 4 must be 0 .a broadcast read. or at least a row"),
+    (8, 4, "destination stride 4 shorter than a row would overlap rows"),
+    (8, 0, "destination stride 0 shorter than a row"),  # never a broadcast write
+])
+def test_dma_reads_may_repeat_a_row_but_writes_never_overlap(src_stride, dst_stride, message):
+    from simulator import Buffer, Command
+
+    buffers = (Buffer("ifm", BufferKind.INPUT, 8, shape=(8,)), Buffer("ofm", BufferKind.OUTPUT, 32, shape=(32,)))
+    load = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.DRAM, 0, 0, MemorySpace.SRAM, -1, 0, 8, 4, src_stride,
+                                            dst_stride))
+    store = Command(Opcode.DMA_COPY, DmaCopy(MemorySpace.SRAM, -1, 0, MemorySpace.DRAM, 1, 0, 32))
+    stream = CommandStream("dma", CONFIG.name, buffers, (load, store))
+    if message is None:
+        outputs, _ = run_stream(stream, {"ifm": np.arange(8, dtype=np.int8)})
+        np.testing.assert_array_equal(outputs["ofm"], np.tile(np.arange(8, dtype=np.int8), 4))
+    else:
+        with pytest.raises(StreamError, match=message):
+            validate_stream(stream, CONFIG)

@@ -125,11 +125,15 @@ def _emit_elementwise(sb: StreamBuilder, opcode: Opcode, p: ElementwiseParams, p
     if src2 is None:
         src2 = sb.add_buffer(f"{layer}.input2", BufferKind.CONSTANT, p.shape,
                              data=np.ascontiguousarray(p.input2_values, dtype=np.int8).tobytes())
-    total = int(np.prod(p.shape))
+    total, channels = int(np.prod(p.shape)), p.shape[-1]
     for start in range(0, total, plan.chunk):
         count = min(plan.chunk, total - start)
-        sb.dma(layer, src, start, plan.ifm_address, count)
-        sb.dma(layer, src2, start, plan.ifm2_address, count)
+        for index, (buffer, address) in enumerate(((src, plan.ifm_address), (src2, plan.ifm2_address))):
+            if index in p.broadcast:  # one value per channel: the same row read once per pixel of the chunk
+                sb.dma(layer, buffer, 0, address, channels, rows=count // channels, dram_stride=0,
+                       sram_stride=channels)
+            else:
+                sb.dma(layer, buffer, start, address, count)
         op = Elementwise(
             ifm=FeatureMap(plan.ifm_address, 1, count, 1), ifm2=FeatureMap(plan.ifm2_address, 1, count, 1),
             ofm=FeatureMap(plan.ofm_address, 1, count, 1), input_zero_point=p.input_zero_point,

@@ -209,6 +209,11 @@ def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams
         rounding=Rounding.FLOAT64 if per_channel else Rounding.TFLITE_DOUBLE)
 
 
+def _per_channel(shape: tuple, out_shape: tuple) -> bool:
+    """Whether ``shape`` is one value per channel (the last axis) of ``out_shape``."""
+    return (len(shape) == len(out_shape) and shape[-1] == out_shape[-1] and all(d == 1 for d in shape[:-1]))
+
+
 def extract_elementwise(op: NpuOp, verb: str):
     """Extraction of a binary int8 operator: both inputs dequantized per tensor, same shape, requantized."""
 
@@ -218,17 +223,22 @@ def extract_elementwise(op: NpuOp, verb: str):
         if isinstance(x, Constant):
             raise UnsupportedOpError(f"the first operand of {verb} is a constant")
         shape, shape2 = _shape(x), _shape(x2)
-        values = np.zeros(0, np.int8)
+        values, broadcast = np.zeros(0, np.int8), ()
+        out_shape = _shape(annotations["anchor"])
         if isinstance(x2, Constant):
             try:
                 values = np.ascontiguousarray(np.broadcast_to(x2.value.numpy(), shape))
             except ValueError:
                 raise UnsupportedOpError(f"constant {list(shape2)} does not broadcast to {list(shape)}") from None
         elif shape != shape2:
-            raise UnsupportedOpError(f"broadcasting {verb} ({list(shape)} and {list(shape2)}) is not supported")
-        return ElementwiseParams(op=op, shape=shape, input_scale=in_scale, input_zero_point=in_zp,
+            broadcast = tuple(i for i, s in enumerate((shape, shape2)) if s != out_shape)
+            if len(broadcast) != 1 or not _per_channel(shape2 if broadcast == (1,) else shape, out_shape):
+                raise UnsupportedOpError(f"broadcasting {verb} ({list(shape)} and {list(shape2)}) is supported only "
+                                         "of a per-channel vector [1, ..., 1, C] over the other operand")
+        return ElementwiseParams(op=op, shape=out_shape, input_scale=in_scale, input_zero_point=in_zp,
                                  input2_scale=in2_scale, input2_zero_point=in2_zp, output_scale=out_scale,
-                                 output_zero_point=out_zp, clamp=_clamp(annotations), input2_values=values)
+                                 output_zero_point=out_zp, clamp=_clamp(annotations), input2_values=values,
+                                 broadcast=broadcast)
 
     extract.__doc__ = f"TFLite int8 {op.name}: {verb} of two same-shaped tensors."
     return extract
