@@ -474,3 +474,25 @@ def test_dma_reads_may_repeat_a_row_but_writes_never_overlap(src_stride, dst_str
     else:
         with pytest.raises(StreamError, match=message):
             validate_stream(stream, CONFIG)
+
+
+def test_corrupted_streams_never_run_to_other_outputs(conv_stream):
+    """bench/bench_fuzz.py in small: 300 corrupted files of a format-2 stream end in NpuError, or are byte-for-
+    byte the original (a flip that rewrote a byte with its own value) and give its outputs."""
+    import random
+
+    from simulator import NpuError
+
+    data = encode_stream(conv_stream)
+    x = {"ifm": np.random.default_rng(1).integers(-128, 128, (1, 8, 8, 4), dtype=np.int8)}
+    reference, _ = run_stream(conv_stream, x)
+    rng = random.Random(5)
+    for _ in range(300):
+        mutated = bytearray(data)
+        for _ in range(rng.randint(1, 6)):
+            mutated[rng.randrange(len(mutated))] = rng.randrange(256)
+        try:
+            outputs, _ = run_stream(decode_stream(bytes(mutated)), x)
+        except NpuError:
+            continue
+        assert bytes(mutated) == data and np.array_equal(outputs["ofm"], reference["ofm"])
