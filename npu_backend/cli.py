@@ -70,6 +70,8 @@ def _print_run_stats(stats) -> None:
 
 
 def cmd_sim(args) -> int:
+    if Path(args.stream).is_dir():
+        return _sim_compiled(args)
     from simulator.isa import BufferKind
     from simulator.machine import run_stream
 
@@ -82,29 +84,57 @@ def cmd_sim(args) -> int:
             inputs.setdefault(buf.name, rng.integers(info.min, info.max + 1, buf.shape).astype(buf.dtype))
     outputs, stats = run_stream(stream, inputs)
     _print_run_stats(stats)
-    if args.output:
-        np.savez(args.output, **outputs)
-        print(f"outputs {', '.join(outputs)} written to {args.output}")
+    _save_outputs(args.output, outputs)
     return 0
 
 
-def cmd_compile(args) -> int:
-    import npu_backend
-    from npu_backend.codegen import lower_module
-    from simulator.stream import encode_stream
+def _save_outputs(path: str | None, outputs: dict) -> None:
+    if path:
+        np.savez(path, **outputs)
+        print(f"outputs {', '.join(outputs)} written to {path}")
 
-    mod = npu_backend.partition_for_npu(npu_backend.load_model(args.model), args.preset, args.reference)
+
+def _sim_compiled(args) -> int:
+    """A whole compiled model (``npu compile``'s directory): model-level inputs, every region on the simulator."""
+    import npu_backend
+    from npu_backend.compiled import read_manifest, run_compiled
+
+    manifest = read_manifest(args.stream)
+    inputs = _named_inputs(args.input or [])
+    rng = np.random.default_rng(args.seed)
+    for tensor in manifest["inputs"]:
+        if tensor["name"] not in inputs and args.random_inputs:
+            inputs[tensor["name"]] = _random_tensor(tensor, rng)
+    with npu_backend.profile() as prof:
+        outputs = run_compiled(args.stream, inputs)
+    print(prof.summary())
+    _save_outputs(args.output, outputs)
+    return 0
+
+
+def _random_tensor(tensor: dict, rng) -> np.ndarray:
+    """Any integer value, or for a float input the grid of its recorded qparams (exact through its quantize)."""
+    dtype = np.dtype(tensor["dtype"])
+    if np.issubdtype(dtype, np.integer):
+        info = np.iinfo(dtype)
+        return rng.integers(info.min, info.max + 1, tensor["shape"]).astype(dtype)
+    if tensor["scale"] is None:
+        raise NpuError(f"input {tensor['name']} is {dtype} without recorded qparams; pass it with --input")
+    q = rng.integers(-128, 128, tensor["shape"]).astype(np.int32)
+    return ((q - tensor["zero_point"]).astype(np.float32) * np.float32(tensor["scale"])).astype(dtype)
+
+
+def cmd_compile(args) -> int:
+    from npu_backend.compiled import MANIFEST, write_compiled
+
+    manifest = write_compiled(args.model, args.output, args.preset, args.reference)
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
-    streams = lower_module(mod)
-    for symbol, stream in streams.items():
-        path = out / f"{symbol}.npucmd"
-        path.write_bytes(encode_stream(stream))
-        print(f"{path}: {len(stream.commands)} commands")
-    report = npu_backend.partition_report(mod)
-    (out / "partition.json").write_text(report.to_json())
-    print(f"{len(streams)} NPU regions; {len(report.npu_ops)} of {len(report.ops)} operators on the NPU "
-          f"(partition report: {out / 'partition.json'})")
+    for region in manifest["regions"]:
+        print(f"{out / region['file']}: {region['commands']} commands, inputs "
+              f"{', '.join(t['name'] for t in region['inputs'])} -> outputs "
+              f"{', '.join(t['name'] for t in region['outputs'])}")
+    print(f"{len(manifest['regions'])} NPU regions in call order; manifest: {out / MANIFEST} "
+          f"(run the whole model with: npu sim {out} --random-inputs)")
     return 0
 
 
@@ -244,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     insp = sub.add_parser("inspect", help="validate and print a command stream")
     insp.add_argument("stream")
     insp.set_defaults(func=cmd_inspect)
-    sim = sub.add_parser("sim", help="execute a command stream on the simulator")
-    sim.add_argument("stream")
+    sim = sub.add_parser("sim", help="execute a command stream, or a whole model compiled by npu compile (its "
+                                     "directory), on the simulator")
+    sim.add_argument("stream", help="a .npucmd file, or the directory npu compile wrote")
     sim.add_argument("--input", action="append", help="NAME=FILE.npy for an input buffer")
     sim.add_argument("--random-inputs", action="store_true", help="fill inputs not given with random values")
     sim.add_argument("--seed", type=int, default=0)

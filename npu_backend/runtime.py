@@ -37,6 +37,10 @@ def install_stream(symbol: str, data: bytes) -> None:
     tvm.register_global_func(symbol, run, override=True)
 
 
+def is_installed(symbol: str) -> bool:
+    return symbol in _INSTALLED
+
+
 def installed_stream(symbol: str) -> bytes:
     try:
         return _INSTALLED[symbol]

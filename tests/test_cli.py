@@ -23,7 +23,7 @@ def test_run_reports_placement_cycles_and_reference(capsys):
 def test_compile_inspect_sim_round_trip(tmp_path, capsys):
     assert main(["compile", str(MODEL), "-o", str(tmp_path)]) == 0
     streams = sorted(tmp_path.glob("*.npucmd"))
-    assert len(streams) == 1 and (tmp_path / "partition.json").exists()
+    assert len(streams) == 1 and (tmp_path / "manifest.json").exists()
     assert main(["inspect", str(streams[0])]) == 0
     listing = capsys.readouterr().out
     assert "(valid)" in listing and "CONV2D" in listing and "DMA_COPY" in listing

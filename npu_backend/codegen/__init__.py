@@ -8,7 +8,7 @@ import tvm
 
 from simulator.stream import encode_stream
 
-from ..runtime import install_stream
+from ..runtime import install_stream, is_installed
 from .lower import lower_module, lower_region, npu_regions
 
 
@@ -17,12 +17,16 @@ def npu_codegen(functions, options, constant_names):
 
     Each region becomes a serialized command stream installed under the
     region's symbol, which the Relax VM calls through ``call_dps_packed``.
-    No TVM runtime module is produced: the streams run on the simulator in
-    this process (see README, "Deployment").
+    The symbol is derived from the region's content and hardware, so a region
+    whose stream is already installed (compiled before in this process, or
+    loaded from a compiled directory by :func:`npu_backend.compiled.load_compiled`)
+    is not lowered again. No TVM runtime module is produced: the streams run on
+    the simulator in this process (see README, "Deployment").
     """
     for func in functions:
         symbol = str(func.attrs["global_symbol"])
-        install_stream(symbol, encode_stream(lower_region(func, symbol)))
+        if not is_installed(symbol):
+            install_stream(symbol, encode_stream(lower_region(func, symbol)))
     return []
 
 
