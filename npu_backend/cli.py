@@ -148,21 +148,36 @@ def cmd_partition(args) -> int:
 
 
 def _tflite_outputs(model: str, inputs: list[np.ndarray]):
-    """TFLite's reference kernels (BUILTIN_REF), or None when ai-edge-litert is absent."""
+    """(outputs, label): TFLite's reference kernels (BUILTIN_REF), or, for a model using an operator
+    BUILTIN_REF lacks (ELU), TFLite's builtin kernels without the XNNPACK delegate; None when ai-edge-litert
+    is absent."""
     try:
         from ai_edge_litert.interpreter import Interpreter, OpResolverType
     except ImportError:
         return None
-    interpreter = Interpreter(model_path=model, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+    try:
+        interpreter = Interpreter(model_path=model, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
+        label = "TFLite BUILTIN_REF"
+    except ValueError as exc:
+        if "Didn't find op" not in str(exc):
+            raise NpuError(f"TFLite cannot load {model}: {_first_line(exc)}") from None
+        interpreter = Interpreter(model_path=model,
+                                  experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
+        label = f"TFLite builtin kernels, no delegate ({_first_line(exc).split('.')[0]} in BUILTIN_REF)"
     interpreter.allocate_tensors()
     for detail, value in zip(interpreter.get_input_details(), inputs):
         interpreter.set_tensor(detail["index"], value)
     interpreter.invoke()
-    return [interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()]
+    return [interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()], label
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
 
 
 def _onnxruntime_outputs(model: str, inputs: list[np.ndarray]):
-    """onnxruntime executing the QDQ graph literally (optimizations off), or None when it is absent."""
+    """(outputs, label): onnxruntime executing the QDQ graph literally (optimizations off); None when it is
+    absent."""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -172,12 +187,11 @@ def _onnxruntime_outputs(model: str, inputs: list[np.ndarray]):
     options.intra_op_num_threads = 1
     session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     feeds = {i.name: x for i, x in zip(session.get_inputs(), inputs)}
-    return session.run(None, feeds)
+    return session.run(None, feeds), "onnxruntime, optimizations off"
 
 
-REFERENCES = {".tflite": ("TFLite BUILTIN_REF", _tflite_outputs, "ai-edge-litert"),
-              ".onnx": ("onnxruntime, optimizations off", _onnxruntime_outputs, "onnxruntime")}
-"""Per model type: the runtime the NPU must match, how to run it, and the package it needs."""
+REFERENCES = {".tflite": (_tflite_outputs, "ai-edge-litert"), ".onnx": (_onnxruntime_outputs, "onnxruntime")}
+"""Per model type: how to run the runtime the NPU must match, and the package it needs."""
 
 
 def _random_input(func, param, rng) -> np.ndarray:
@@ -231,11 +245,12 @@ def cmd_run(args) -> int:
         result = vm["main"](*[tvm.runtime.tensor(x) for x in inputs])
     outputs = [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]
     print(prof.summary())
-    name, run_reference, package = REFERENCES[Path(args.model).suffix.lower()]
-    reference = None if args.no_reference else run_reference(args.model, inputs)
-    if reference is None:
+    run_reference, package = REFERENCES[Path(args.model).suffix.lower()]
+    ran = None if args.no_reference else run_reference(args.model, inputs)
+    if ran is None:
         print(f"reference: skipped (install {package}, e.g. pip install 'npu-backend[reference]')")
         return 0
+    reference, name = ran
     total = sum(r.size for r in reference)
     mismatched = sum(int(np.count_nonzero(o != r)) for o, r in zip(outputs, reference))
     verdict = "MATCH" if mismatched == 0 else "MISMATCH"

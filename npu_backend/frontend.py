@@ -13,7 +13,8 @@ TFLITE_IDENTIFIER = b"TFL3"
 
 
 def load_tflite(path: str | Path) -> tvm.IRModule:
-    """Import a .tflite file with TVM's own TFLite frontend."""
+    """Import a .tflite file with TVM's own TFLite frontend, extended for the quantized operators it refuses
+    (:mod:`npu_backend.tflite_import`)."""
     path = Path(path)
     try:
         data = path.read_bytes()
@@ -24,9 +25,11 @@ def load_tflite(path: str | Path) -> tvm.IRModule:
     import tflite
     from tvm.relax.frontend.tflite import from_tflite
 
+    from .tflite_import import NpuOperatorConverter
+
     model = tflite.Model.GetRootAsModel(data, 0)
     try:
-        return mark_source(from_tflite(model), "tflite")
+        return mark_source(from_tflite(model, op_converter=NpuOperatorConverter), "tflite")
     except Exception as exc:  # the importer raises assorted types; the user needs one line
         try:
             why = _int16_activations(model) or _last_line(exc)

@@ -9,10 +9,17 @@ sys.path.insert(0, str(TESTS))
 FIXTURES = TESTS / "fixtures"
 
 
-def tflite_manifest(tvm_imports: bool = True) -> list[dict]:
-    """Fixture models TVM's importer accepts (or, with False, the ones it rejects)."""
+def tflite_manifest(imports: bool = True) -> list[dict]:
+    """Fixture models npu_backend.load_tflite imports (or, with False, the ones it rejects): those TVM's own
+    importer accepts, and those whose operators npu_backend's converter adds (npu_backend.tflite_import)."""
+    from tvm.relax.frontend.tflite.tflite_frontend import OperatorConverter
+
+    from npu_backend.tflite_import import NpuOperatorConverter
+
+    added = NpuOperatorConverter._SUPPORTED_QUANTIZED_OPS - OperatorConverter._SUPPORTED_QUANTIZED_OPS
     models = json.loads((FIXTURES / "tflite" / "MANIFEST.json").read_text())["models"]
-    return [m for m in models if m["tvm_imports"] == tvm_imports]
+    loaded = [m for m in models if m["tvm_imports"] or set(m["operators"]) <= added]
+    return loaded if imports else [m for m in models if m not in loaded]
 
 
 @pytest.fixture(scope="session")

@@ -1,9 +1,11 @@
 """End to end on TFLite fixtures: TVM import -> partition -> codegen -> VM + simulator.
 
-Every output element must equal TFLite's reference kernels (BUILTIN_REF), whose
+Every output element must equal TFLite's reference kernels (BUILTIN_REF; for ELU,
+which BUILTIN_REF lacks, TFLite's builtin kernel without delegates), whose
 outputs the fixture script stored next to each model; and every operator of
 each model must have been offloaded (none of these models holds anything the
-NPU cannot run).
+NPU cannot run). The models include those only npu_backend's extended importer
+accepts (quantized PAD, STRIDED_SLICE, GELU, ELU).
 """
 
 import numpy as np
