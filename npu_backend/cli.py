@@ -119,7 +119,7 @@ def _random_tensor(tensor: dict, rng) -> np.ndarray:
         info = np.iinfo(dtype)
         return rng.integers(info.min, info.max + 1, tensor["shape"]).astype(dtype)
     if tensor["scale"] is None:
-        raise NpuError(f"input {tensor['name']} is {dtype} without recorded qparams; pass it with --input")
+        raise NpuError(f"input {tensor['name']} is {dtype} and not quantized per tensor; pass it with --input")
     q = rng.integers(-128, 128, tensor["shape"]).astype(np.int32)
     return ((q - tensor["zero_point"]).astype(np.float32) * np.float32(tensor["scale"])).astype(dtype)
 
@@ -194,25 +194,6 @@ REFERENCES = {".tflite": (_tflite_outputs, "ai-edge-litert"), ".onnx": (_onnxrun
 """Per model type: how to run the runtime the NPU must match, and the package it needs."""
 
 
-def _random_input(func, param, rng) -> np.ndarray:
-    """A random input: any int8 value, or for a float input a point of the grid its quantize maps exactly."""
-    shape, dtype = tuple(int(d) for d in param.ty.shape.values), str(param.ty.dtype)
-    if np.issubdtype(np.dtype(dtype), np.integer):
-        info = np.iinfo(dtype)
-        return rng.integers(info.min, info.max + 1, shape).astype(dtype)
-    from npu_backend.qparams import per_tensor_qparams
-
-    for block in func.body.blocks:
-        for binding in block.bindings:
-            value = binding.value
-            if getattr(getattr(value, "op", None), "name", "") == "relax.quantize" and value.args[0].same_as(param):
-                qp = per_tensor_qparams(value)
-                if qp is not None:
-                    q = rng.integers(-128, 128, shape).astype(np.int32)
-                    return ((q - qp.zero_point).astype(np.float32) * np.float32(qp.scale)).astype(dtype)
-    raise NpuError(f"input {param.name} is {dtype} and not quantized per tensor; pass it with --input")
-
-
 def _print_placement(report) -> None:
     composites = sorted({o.composite for o in report.npu_ops})
     regions = {o.region for o in report.npu_ops}
@@ -240,7 +221,10 @@ def cmd_run(args) -> int:
     if args.input:
         inputs = [_load_npy(p) for p in args.input]
     else:
-        inputs = [_random_input(mod["main"], param, rng) for param in mod["main"].params]
+        from npu_backend.compiled import TensorTable
+
+        tensors = TensorTable(mod["main"])
+        inputs = [_random_tensor(tensors.describe(param), rng) for param in mod["main"].params]
     with npu_backend.profile() as prof:
         result = vm["main"](*[tvm.runtime.tensor(x) for x in inputs])
     outputs = [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]

@@ -47,7 +47,7 @@ def _sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-class _Tensors:
+class TensorTable:
     """Unique names (as TVMScript prints them) and known qparams of main's tensors.
 
     int8 tensors take the dataflow analysis's qparams; a float model input or output takes those of the
@@ -103,7 +103,7 @@ def write_compiled(model: str | Path, out: str | Path, preset="npu-256", referen
     model_bytes = model.read_bytes()
     (out / model.name).write_bytes(model_bytes)
     main = partitioned["main"]
-    tensors = _Tensors(main)
+    tensors = TensorTable(main)
     streams = lower_module(partitioned)
     report = partition_report(partitioned)
     regions = []

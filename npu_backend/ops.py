@@ -90,9 +90,9 @@ def _table(op: NpuOp, build, tflite, onnxruntime=None, fixed_output=None, extrac
                  emit.emit_lut, (Opcode.LUT,), fixed_output)
 
 
-def _mover(op: NpuOp, record: type, build, extract, plan, lower, *idioms: Idiom) -> OpDef:
+def _mover(op: NpuOp, record: type, build, extract, plan, lower) -> OpDef:
     """Data movement by DMA only: qparams unchanged, nothing to prepare."""
-    return OpDef(op, record, (_idiom(build, extract, False), *idioms), (), plan, prepare.nothing, lower, ())
+    return OpDef(op, record, (_idiom(build, extract, False),), (), plan, prepare.nothing, lower, ())
 
 
 MAX_CONCAT_INPUTS = 6

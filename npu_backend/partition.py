@@ -197,7 +197,8 @@ def _placements(partitioned: tvm.IRModule) -> dict[str, tuple[str, str]]:
     return placement
 
 
-def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: PartitionContext) -> PartitionReport:
+def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: PartitionContext,
+                  numerics) -> PartitionReport:
     placement = _placements(partitioned)
     reasons: dict[str, list[str]] = {}
     for rejection in context.rejections:
@@ -211,7 +212,7 @@ def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: 
             rows.append(OpPlacement(var, op, "npu", composite=composite, region=region))
         else:
             rows.append(OpPlacement(var, op, "host", reason="; ".join(reasons.get(var, [unmatched_reason(op)]))))
-    return PartitionReport(context.config.name, tuple(rows))
+    return PartitionReport(context.config.name, tuple(rows), numerics.reference.value, numerics.why)
 
 
 def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESET,
@@ -263,6 +264,5 @@ def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESE
     fused = _annotate_composites(original["main"], fused, context.reference)
     merged = relax.transform.MergeCompositeFunctions()(fused)
     partitioned = _name_regions(merged, config)
-    report = dataclasses.replace(_build_report(original["main"], partitioned, context),
-                                 numerics=numerics.reference.value, numerics_why=numerics.why)
+    report = _build_report(original["main"], partitioned, context, numerics)
     return partitioned.with_attr(REPORT_ATTR, report.to_json())

@@ -17,9 +17,8 @@ from tvm.ir.expr import Constant
 from .errors import QParamError
 from .relax_exprs import is_call, static_shape
 
-INTEGER_RANGES = {f"{kind}{bits}": (int(info.min), int(info.max))
-                  for kind, make in (("int", np.iinfo), ("uint", np.iinfo)) for bits in (8, 16, 32)
-                  for info in (make(f"{kind}{bits}"),)}
+INTEGER_RANGES = {name: (int(np.iinfo(name).min), int(np.iinfo(name).max))
+                  for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32")}
 
 
 def _name(expr) -> str:
@@ -34,13 +33,13 @@ def _check_call(var: relax.Var, call: relax.Call) -> None:
     scale, zero_point = call.args[1], call.args[2]
     shape = static_shape(data)
     axis = int(call.attrs.axis)
-    sizes = {np.size(arg.value.numpy()) for arg in (scale, zero_point) if isinstance(arg, Constant)}
-    if shape is not None and any(size > 1 for size in sizes):
+    sizes = {label: np.size(arg.value.numpy()) if isinstance(arg, Constant) else 1
+             for label, arg in (("scale", scale), ("zero point", zero_point))}
+    if shape is not None and max(sizes.values()) > 1:
         if not -len(shape) <= axis < len(shape):
             raise QParamError(f"{where}: quantization axis {axis} is out of range for rank {len(shape)}")
         extent = shape[axis]
-        for label, arg in (("scale", scale), ("zero point", zero_point)):
-            size = np.size(arg.value.numpy()) if isinstance(arg, Constant) else 1
+        for label, size in sizes.items():
             if size not in (1, extent):
                 raise QParamError(f"{where}: {size} {label}s for axis {axis} of extent {extent}")
     if isinstance(scale, Constant):

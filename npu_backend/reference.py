@@ -71,19 +71,22 @@ def _tflite_function_attrs(mod: tvm.IRModule) -> str | None:
     return None
 
 
+def _zero_point_dtypes(mod: tvm.IRModule) -> list[str]:
+    """The dtype of every constant zero point of a quantize or dequantize: each importer types them its way."""
+    return [str(call.args[2].value.dtype) for call in _calls(mod)
+            if (is_call(call, "relax.quantize") or is_call(call, "relax.dequantize"))
+            and isinstance(call.args[2], Constant)]
+
+
 def _narrow_zero_points(mod: tvm.IRModule) -> str | None:
-    for call in _calls(mod):
-        if (is_call(call, "relax.quantize") or is_call(call, "relax.dequantize")) and isinstance(call.args[2], Constant):
-            if str(call.args[2].value.dtype) in ("int8", "uint8"):
-                return "zero points are typed int8/uint8, as TVM's ONNX importer writes QuantizeLinear's"
+    if any(dtype in ("int8", "uint8") for dtype in _zero_point_dtypes(mod)):
+        return "zero points are typed int8/uint8, as TVM's ONNX importer writes QuantizeLinear's"
     return None
 
 
 def _int32_zero_points(mod: tvm.IRModule) -> str | None:
-    zero_points = [str(call.args[2].value.dtype) for call in _calls(mod)
-                   if (is_call(call, "relax.quantize") or is_call(call, "relax.dequantize"))
-                   and isinstance(call.args[2], Constant)]
-    if zero_points and all(dtype == "int32" for dtype in zero_points):
+    dtypes = _zero_point_dtypes(mod)
+    if dtypes and all(dtype == "int32" for dtype in dtypes):
         return "every zero point is int32, as TVM's TFLite importer writes them"
     return None
 

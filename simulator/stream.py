@@ -39,7 +39,7 @@ from ._generated import Softmax as fb_softmax
 from ._generated import TableLookup as fb_lut
 from .config import NpuConfig, get_config
 from .errors import ConfigError, StreamError
-from .isa import (FORMAT_VERSION, READABLE_MAJORS, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
+from .isa import (READABLE_MAJORS, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
                   FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
 from .numerics import Rounding
 from .opcodes import opcode_def

@@ -11,7 +11,7 @@ import tvm
 from tvm import relax
 
 import npu_backend
-from npu_backend.errors import NpuError, QParamError
+from npu_backend.errors import QParamError
 from relax_idioms import ConvIdiom, f32, i32
 
 
