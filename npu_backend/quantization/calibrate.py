@@ -1,0 +1,368 @@
+"""Calibrate a float graph layer by layer, on the integers the NPU will actually compute.
+
+The walk goes in topological order. Each layer first runs in float on the
+float model's activations (the reference every SQNR is measured against), then
+on its quantized inputs with its quantized weights, which is what its output range
+is observed on; its output qparams are chosen, and the NPU's exact int8 output
+(:class:`npu_backend.quantization.steps.NpuLayer`) becomes the next layers'
+input. The same walk with every decision fixed is the simulated quantization
+of the model (:func:`simulate`): its outputs are the NPU's, bit for bit.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+from tvm import relax
+
+from simulator.config import NpuConfig
+from simulator.softmax import SOFTMAX_OUTPUT
+from simulator.tables import LOGISTIC_OUTPUT, TANH_OUTPUT
+
+from ..errors import NpuError
+from .config import QConfig
+from .layers import Layer, Output, function_outputs, resolve
+from .observers import RangeRequest, TensorStats, activation_qparams, choose_range, quantize_weights
+from .rewrite import TensorQ, WeightQ
+from .steps import FloatLayers, NpuLayer, dequantize_host, quantize_host
+
+FIXED_OUTPUTS = {"sigmoid": LOGISTIC_OUTPUT, "tanh": TANH_OUTPUT, "softmax": SOFTMAX_OUTPUT}
+"""Output qparams TFLite's int8 kernels fix (the NPU's legality checks the same tables)."""
+
+
+@dataclass
+class Plan:
+    """Every decision calibration made: enough to emit the QDQ module and to simulate it again."""
+
+    tensors: dict = field(default_factory=dict)  # var -> TensorQ (graph inputs and layer outputs)
+    weights: dict = field(default_factory=dict)  # layer index -> WeightQ
+    constants: dict = field(default_factory=dict)  # layer index -> {Constant: (int8 array, TensorQ)}
+    float_layers: set = field(default_factory=set)
+    reasons: dict = field(default_factory=dict)  # layer index -> why it stays float
+
+
+@dataclass
+class LayerStats:
+    sqnr_db: float = math.inf
+    accumulator_peak: int = 0
+    overflows: int = 0
+    widened_channels: int = 0
+    overflow_unfixable: bool = False
+    on_npu: bool = False
+
+
+@dataclass
+class TensorRecord:
+    name: str
+    method: str
+    stats: dict
+    scale: float
+    zero_point: int
+
+
+class _Energy:
+    """Signal and error energy of one tensor over the calibration set, for an SQNR."""
+
+    def __init__(self):
+        self.signal = 0.0
+        self.noise = 0.0
+
+    def add(self, reference: np.ndarray, value: np.ndarray) -> None:
+        reference = reference.astype(np.float64)
+        self.signal += float(np.sum(reference * reference))
+        self.noise += float(np.sum((reference - value.astype(np.float64)) ** 2))
+
+    @property
+    def db(self) -> float:
+        if self.noise == 0.0:
+            return math.inf
+        if self.signal == 0.0:
+            return -math.inf
+        return 10.0 * math.log10(self.signal / self.noise)
+
+
+class Context:
+    """The float graph, cut and compiled once, and what every walk over it needs."""
+
+    def __init__(self, func: relax.Function, layers: list[Layer], folded: dict, config: QConfig, npu: NpuConfig,
+                 source: str):
+        self.func, self.layers, self.folded, self.config, self.npu, self.source = func, layers, folded, config, npu, source
+        self._float = None
+        self.producer = {layer.output: layer for layer in layers}
+        self.consumers: dict = {}
+        for layer in layers:
+            for v in layer.inputs:
+                self.consumers.setdefault(v, []).append(layer)
+        self.outputs = [resolve(v, folded) for v in function_outputs(func)]
+        self.last_use = {}
+        for layer in layers:
+            for v in layer.inputs:
+                self.last_use[v] = layer.index
+        self.npu_cache: dict = {}
+
+    @property
+    def float(self) -> FloatLayers:
+        """The layers compiled as float functions (on first use: loading a stored model does not need them)."""
+        if self._float is None:
+            self._float = FloatLayers(self.layers, self.folded)
+        return self._float
+
+    def quantized(self, layer: Layer, plan: Plan) -> bool:
+        return layer.kind.output != Output.FLOAT and layer.index not in plan.float_layers
+
+    def has_q_point(self, var, plan: Plan) -> bool:
+        producer = self.producer.get(var)
+        if producer is not None and self.quantized(producer, plan):
+            return True
+        return any(self.quantized(c, plan) for c in self.consumers.get(var, []))
+
+
+def _request(config: QConfig) -> RangeRequest:
+    return RangeRequest(bits=8, symmetric=config.symmetric_activations, percentile=float(config.percentile))
+
+
+def _method_name(config: QConfig) -> str:
+    method = config.calibration
+    return method if isinstance(method, str) else getattr(method, "__name__", "callable")
+
+
+def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: Plan, name: str,
+            records: list) -> TensorQ:
+    config = ctx.config
+    if layer is not None and layer.kind.output == Output.INPUT and layer.inputs[0] in plan.tensors:
+        return plan.tensors[layer.inputs[0]]
+    if layer is not None and layer.kind.output == Output.FIXED and ctx.source == "tflite":
+        scale, zp = FIXED_OUTPUTS[layer.kind.fixed_op]
+        return TensorQ(float(np.float32(scale)), int(zp))
+    stats = TensorStats(bins=config.bins)
+    for v in values:
+        stats.update(v)
+    symmetric = config.symmetric_activations
+    if config.global_scale is not None:  # relay.quantize's global scale: symmetric, one range for all
+        lo, hi, method, symmetric = -float(config.global_scale), float(config.global_scale), "global_scale", True
+    else:
+        lo, hi = choose_range(stats, config.calibration, _request(config))
+        method = _method_name(config)
+    scale, zp = activation_qparams(lo, hi, bits=8, symmetric=symmetric, power_of_two=config.power_of_two)
+    records.append(TensorRecord(name, method, stats.summary(), float(scale), int(zp)))
+    return TensorQ(float(scale), int(zp))
+
+
+def _quantize_with(w: np.ndarray, scales: np.ndarray, axis: int | None, bits: int) -> np.ndarray:
+    qmax = 2 ** (bits - 1) - 1
+    shape = [1] * w.ndim
+    if axis is not None and scales.size > 1:
+        shape[axis] = scales.size
+    return np.clip(np.rint(w / scales.reshape(shape)), -qmax, qmax).astype(np.int8)
+
+
+def _weights(layer: Layer, config: QConfig, input_q: TensorQ, scales: np.ndarray | None = None) -> WeightQ:
+    axis = layer.weight_axis if config.per_channel else None
+    if scales is None:
+        _, scales = quantize_weights(layer.weight, axis=axis, bits=config.weight_bits)
+        scales = np.asarray(scales, np.float32).reshape(-1)
+        if config.power_of_two:
+            scales = (2.0 ** np.ceil(np.log2(scales))).astype(np.float32)
+    q = _quantize_with(layer.weight, scales, axis, config.weight_bits)
+    bias = bias_scales = None
+    if layer.bias is not None:
+        bias_scales = (np.float32(input_q.scale) * scales).astype(np.float32)
+        channels = layer.weight.shape[layer.weight_axis]
+        full = np.broadcast_to(bias_scales, (channels,))
+        bias = np.clip(np.rint(layer.bias / full), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+    return WeightQ(q, scales, layer.weight_axis, bias, bias_scales)
+
+
+def _dequantized(wq: WeightQ) -> tuple[np.ndarray, np.ndarray | None]:
+    shape = [1] * wq.weight.ndim
+    if wq.scales.size > 1:
+        shape[wq.axis] = wq.scales.size
+    weight = wq.weight.astype(np.float32) * wq.scales.reshape(shape)
+    bias = None if wq.bias is None else (wq.bias.astype(np.float32) * wq.bias_scales).astype(np.float32)
+    return weight, bias
+
+
+def _accumulator_peaks(layer: Layer, accumulators: list[np.ndarray], input_q: TensorQ, wq: WeightQ) -> np.ndarray:
+    """Per output channel, the largest |accumulator| the NPU's integer sum reaches (rounded from float)."""
+    channels = layer.weight.shape[layer.weight_axis]
+    axis = _channel_axis(accumulators[0], channels)
+    per = np.broadcast_to((np.float32(input_q.scale) * wq.scales).astype(np.float64), (channels,))
+    peaks = np.zeros(channels)
+    for acc in accumulators:
+        moved = np.moveaxis(acc.astype(np.float64), axis, -1).reshape(-1, channels)
+        peaks = np.maximum(peaks, np.max(np.abs(np.rint(moved / per)), axis=0))
+    return peaks
+
+
+def _channel_axis(acc: np.ndarray, channels: int) -> int:
+    return acc.ndim - 1 if acc.shape[-1] == channels else 1
+
+
+def _constants(layer: Layer) -> dict:
+    out = {}
+    for constant, data in layer.constants.items():
+        scale, zp = activation_qparams(min(float(data.min()), 0.0), max(float(data.max()), 0.0), bits=8)
+        q = TensorQ(float(scale), int(zp))
+        out[constant] = (quantize_host(data, q), q)
+    return out
+
+
+def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress=None):
+    """Run every layer over every sample, choosing qparams on the way when ``calibrating``.
+
+    Returns (the quantized model's outputs per sample, the float model's outputs per sample, per-layer
+    statistics by index, tensor records).
+    """
+    config = ctx.config
+    fvals: dict = {}
+    qvals: dict = {}
+    hvals: dict = {}
+    records: list = []
+    layer_stats: dict = {}
+    for k, param in enumerate(ctx.func.params):
+        fvals[param] = [s[k] for s in samples]
+        if ctx.has_q_point(param, plan):
+            if calibrating:
+                plan.tensors[param] = _choose(ctx, None, fvals[param], plan, param.name, records)
+            qvals[param] = [quantize_host(x, plan.tensors[param]) for x in fvals[param]]
+        else:
+            hvals[param] = fvals[param]
+
+    def value(var) -> list[np.ndarray]:
+        if var in qvals:
+            return [dequantize_host(x, plan.tensors[var]) for x in qvals[var]]
+        return hvals[var]
+
+    for layer in ctx.layers:
+        stats = LayerStats()
+        weight = layer.weight
+        consts = [d for d in layer.constants.values()]
+        reference = []
+        for n in range(len(samples)):
+            _, y = ctx.float.run(layer, [fvals[v][n] for v in layer.inputs], weight, layer.bias, consts)
+            reference.append(y)
+        fvals[layer.output] = reference
+        if ctx.quantized(layer, plan):
+            _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, len(samples))
+            model_value = [dequantize_host(x, plan.tensors[layer.output]) for x in qvals[layer.output]]
+        else:
+            inputs = [value(v) for v in layer.inputs]
+            out = [ctx.float.run(layer, [x[n] for x in inputs], weight, layer.bias, consts)[1]
+                   for n in range(len(samples))]
+            hvals[layer.output] = out
+            if ctx.has_q_point(layer.output, plan):
+                if calibrating:
+                    plan.tensors[layer.output] = _choose(ctx, None, out, plan, layer.output.name, records)
+                qvals[layer.output] = [quantize_host(x, plan.tensors[layer.output]) for x in out]
+            model_value = out
+        energy = _Energy()
+        for ref, got in zip(reference, model_value):
+            energy.add(ref, got)
+        stats.sqnr_db = energy.db
+        layer_stats[layer.index] = stats
+        for v in list(layer.inputs):
+            if ctx.last_use.get(v) == layer.index and v not in ctx.outputs:
+                for table in (fvals, qvals, hvals):
+                    table.pop(v, None)
+        if progress is not None:
+            progress(layer)
+    outputs, floats = [], []
+    for n in range(len(samples)):
+        outs, refs = [], []
+        for var in ctx.outputs:
+            producer = ctx.producer.get(var)
+            if var in qvals and (producer is None or ctx.quantized(producer, plan)):
+                outs.append(dequantize_host(qvals[var][n], plan.tensors[var]))
+            else:
+                outs.append(hvals[var][n])
+            refs.append(fvals[var][n])
+        outputs.append(outs)
+        floats.append(refs)
+    return outputs, floats, layer_stats, records
+
+
+def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, calibrating: bool,
+                   records: list, count: int) -> None:
+    config = ctx.config
+    inputs_q = [plan.tensors[v] for v in layer.inputs]
+    dq_inputs = [value(v) for v in layer.inputs]
+    if calibrating:
+        plan.constants[layer.index] = _constants(layer)
+        if layer.weight is not None:
+            plan.weights[layer.index] = _weights(layer, config, inputs_q[0])
+    constants = plan.constants.get(layer.index, {})
+    dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
+    wq = plan.weights.get(layer.index)
+
+    def observe():
+        w, b = _dequantized(wq) if wq is not None else (None, None)
+        results = [ctx.float.run(layer, [x[n] for x in dq_inputs], w, b, dq_consts) for n in range(count)]
+        return [r[0] for r in results], [r[1] for r in results]
+
+    if calibrating or wq is not None:
+        accumulators, outputs = observe()
+        if wq is not None:
+            limit = 2 ** (config.accumulator_bits - 1) - 1
+            peaks = _accumulator_peaks(layer, accumulators, inputs_q[0], wq)
+            if calibrating and config.avoid_overflow and peaks.max() > limit:
+                widened = np.zeros(peaks.shape, bool)
+                for _ in range(8):
+                    over = peaks > limit
+                    if not over.any():
+                        break
+                    widened |= over
+                    scales = np.broadcast_to(wq.scales, peaks.shape).astype(np.float64).copy()
+                    scales[over] *= peaks[over] / limit * 1.001
+                    scales = scales.astype(np.float32)
+                    if config.power_of_two:
+                        scales = (2.0 ** np.ceil(np.log2(scales))).astype(np.float32)
+                    wq = _weights(layer, config, inputs_q[0], scales)
+                    accumulators, outputs = observe()
+                    peaks = _accumulator_peaks(layer, accumulators, inputs_q[0], wq)
+                plan.weights[layer.index] = wq
+                stats.widened_channels = int(widened.sum())
+                stats.overflow_unfixable = bool(peaks.max() > limit)
+            stats.accumulator_peak = int(peaks.max())
+        if calibrating:
+            plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
+    npu = ctx.npu_cache.get(layer.index)
+    if npu is None or npu.key != _key(layer, plan):
+        npu = NpuLayer(layer, ctx.folded, inputs_q, plan.tensors[layer.output], wq, constants, ctx.source, ctx.npu)
+        npu.key = _key(layer, plan)
+        ctx.npu_cache[layer.index] = npu
+    stats.on_npu = npu.on_npu
+    outs = []
+    for n in range(count):
+        out, overflows = npu.run([qvals[v][n] for v in layer.inputs])
+        stats.overflows += overflows
+        outs.append(out)
+    qvals[layer.output] = outs
+
+
+def _key(layer: Layer, plan: Plan) -> tuple:
+    return (tuple(plan.tensors[v] for v in layer.inputs), plan.tensors[layer.output], id(plan.weights.get(layer.index)))
+
+
+def sqnr_db(references: list, values: list) -> float:
+    energy = _Energy()
+    for refs, vals in zip(references, values):
+        for r, v in zip(refs, vals):
+            energy.add(r, v)
+    return energy.db
+
+
+def check_float_module(func: relax.Function) -> None:
+    for param in func.params:
+        dtype = str(getattr(param.ty, "dtype", ""))
+        if dtype != "float32":
+            raise NpuError(f"quantize needs a float model: input {param.name} is {dtype or 'not a tensor'} "
+                           "(is the model already quantized?)")
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            value = binding.value
+            if isinstance(value, relax.Call) and getattr(value.op, "name", "") in ("relax.quantize",
+                                                                                    "relax.dequantize"):
+                raise NpuError("quantize needs a float model: this one already quantizes "
+                               f"({binding.var.name} = {value.op.name})")

@@ -1,0 +1,137 @@
+"""What post-training quantization may choose, and what the NPU imposes, as one validated value.
+
+Every knob of the old ``relay.quantize`` qconfig (bit widths, a global scale,
+layers to skip, calibration mode) and of onnxruntime's ``quantize_static``
+(methods, per-channel weights, symmetric activations) has a field here; the
+hardware constraints (power-of-two scales, rounding, accumulator width) are
+fields too, because a scale the NPU cannot honour is not a choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from simulator.config import DEFAULT_PRESET, NpuConfig
+
+from ..errors import NpuError
+
+METHOD_NAMES = ("minmax", "percentile", "kl", "mse")
+ROUNDINGS = {
+    "tflite": "tflite",
+    "onnxruntime": "onnx",
+}
+"""Requantization rounding the NPU implements -> the source whose numerics it reproduces
+(``tflite``: fixed-point multipliers rounding half away from zero; ``onnxruntime``: float scales rounding half
+to even). Half-up is not a rounding any reference runtime uses, so the NPU has no such mode."""
+OVERFLOWS = ("wrap", "saturate")
+
+
+def _check(condition: bool, field: str, why: str) -> None:
+    if not condition:
+        raise NpuError(f"QConfig.{field}: {why}")
+
+
+@dataclass(frozen=True)
+class QConfig:
+    """Post-training quantization settings (defaults: TFLite-style int8, per-channel weights).
+
+    Attributes
+    ----------
+    calibration : str or callable
+        How an activation's range is chosen from its calibration statistics: ``"minmax"``, ``"percentile"``
+        (of ``percentile``), ``"kl"`` (entropy, histogram based), ``"mse"`` (least expected squared error), or
+        ``f(stats, request) -> (lo, hi)`` (see :mod:`npu_backend.quantization.observers`).
+    percentile : float
+        The percentile the ``"percentile"`` method keeps (of ``|x|`` when symmetric).
+    per_channel : bool
+        Weights get one scale per output channel (zero point 0); else one per tensor.
+    weight_bits : int
+        2 to 8: weights are stored in int8 but restricted to ``±(2**(bits-1) - 1)``.
+    symmetric_activations : bool
+        Activations get zero point 0 (else the range's own, asymmetric).
+    power_of_two : bool
+        Activation and weight scales are powers of two, so requantization is a shift (rounded up: nothing
+        clipped).
+    rounding : str
+        ``"tflite"`` or ``"onnxruntime"``: which reference's requantization the NPU reproduces.
+    accumulator_bits : int
+        14 to 32: width of the NPU's accumulators (the hardware run is configured with it).
+    accumulator_overflow : str
+        ``"wrap"`` or ``"saturate"``: what a too-wide sum does on that accumulator.
+    avoid_overflow : bool
+        Widen weight scales, channel by channel, until no accumulator overflows on the calibration set; the
+        report says which layers needed it and which could not be fixed.
+    global_scale : float or None
+        The old workflow's global-scale mode: every activation on the fixed range ``[-g, g]`` (no calibration).
+    skip_layers : tuple
+        Layers kept in float on the host, by name (``conv2d_0``, see the report) or by index among the
+        quantizable layers (``0`` is the first).
+    float_ops : tuple of str
+        Operator kinds kept in float everywhere (e.g. ``("sigmoid",)``; names as in the report).
+    fallback_budget_db : float or None
+        Automatic float fall-back: while the model's output SQNR is more than this many dB below what keeping
+        everything in float... (see :func:`npu_backend.quantization.quantize`) layers, most sensitive first,
+        are kept in float.
+    bins : int
+        Histogram bins of the calibration statistics.
+    preset : NpuConfig or str
+        The NPU the quantized model is simulated on (its accumulator width is replaced by ``accumulator_bits``).
+    """
+
+    calibration: str | Callable = "minmax"
+    percentile: float = 99.99
+    per_channel: bool = True
+    weight_bits: int = 8
+    symmetric_activations: bool = False
+    power_of_two: bool = False
+    rounding: str = "tflite"
+    accumulator_bits: int = 32
+    accumulator_overflow: str = "wrap"
+    avoid_overflow: bool = False
+    global_scale: float | None = None
+    skip_layers: tuple = ()
+    float_ops: tuple = ()
+    fallback_budget_db: float | None = None
+    bins: int = 2048
+    preset: NpuConfig | str = DEFAULT_PRESET
+
+    def __post_init__(self) -> None:
+        method = self.calibration
+        _check(callable(method) or method in METHOD_NAMES, "calibration",
+               f"{method!r} is neither one of {', '.join(METHOD_NAMES)} nor a callable")
+        _check(isinstance(self.percentile, (int, float)) and 50.0 < self.percentile <= 100.0, "percentile",
+               f"{self.percentile!r} is not in (50, 100]")
+        for name in ("per_channel", "symmetric_activations", "power_of_two", "avoid_overflow"):
+            _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r} is not a bool")
+        _check(_is_int(self.weight_bits) and 2 <= self.weight_bits <= 8, "weight_bits",
+               f"{self.weight_bits!r} is not an integer from 2 to 8")
+        _check(self.rounding in ROUNDINGS, "rounding",
+               f"{self.rounding!r} is not one of {', '.join(ROUNDINGS)} (the requantizations the NPU implements)")
+        _check(_is_int(self.accumulator_bits) and 14 <= self.accumulator_bits <= 32, "accumulator_bits",
+               f"{self.accumulator_bits!r} is not an integer from 14 to 32")
+        _check(self.accumulator_overflow in OVERFLOWS, "accumulator_overflow",
+               f"{self.accumulator_overflow!r} is not one of {', '.join(OVERFLOWS)}")
+        _check(self.global_scale is None or (isinstance(self.global_scale, (int, float))
+                                             and math.isfinite(self.global_scale) and self.global_scale > 0),
+               "global_scale", f"{self.global_scale!r} is not a positive finite number")
+        _check(isinstance(self.skip_layers, tuple) and all(isinstance(s, str) or _is_int(s) and s >= 0
+                                                          for s in self.skip_layers),
+               "skip_layers", "must be a tuple of layer names or non-negative indices")
+        _check(isinstance(self.float_ops, tuple) and all(isinstance(s, str) for s in self.float_ops),
+               "float_ops", "must be a tuple of operator kinds")
+        _check(self.fallback_budget_db is None or (isinstance(self.fallback_budget_db, (int, float))
+                                                   and math.isfinite(self.fallback_budget_db)
+                                                   and self.fallback_budget_db >= 0),
+               "fallback_budget_db", f"{self.fallback_budget_db!r} is not a non-negative number of dB")
+        _check(_is_int(self.bins) and 16 <= self.bins <= 65536, "bins", f"{self.bins!r} is not from 16 to 65536")
+        _check(isinstance(self.preset, (NpuConfig, str)), "preset", "must be an NpuConfig or a preset name/file")
+
+    def replace(self, **changes) -> QConfig:
+        return dataclasses.replace(self, **changes)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

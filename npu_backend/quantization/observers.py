@@ -1,0 +1,538 @@
+"""Calibration statistics of float tensors, and the ways an int8 range is chosen from them.
+
+Post-training quantization sees a tensor batch by batch, so :class:`TensorStats`
+keeps only what fits in a few kilobytes whatever the calibration set: min, max,
+exact moments and a symmetric histogram. The range methods in :data:`METHODS`
+are the ones onnxruntime's calibrators offer (``MinMax``, ``Percentile``,
+``Entropy``, in ``onnxruntime/quantization/calibrate.py``) plus a least-squared-error
+search; ``"kl"`` is TensorRT's entropy calibration (Migacz, "8-bit inference with
+TensorRT", GTC 2017). :func:`activation_qparams` and :func:`quantize_weights` turn
+ranges and weights into the int8 parameters TFLite-style kernels take.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from ..errors import NpuError
+
+ZERO_RANGE_HI = 2.0 ** -8
+"""Upper end of the range given to a tensor that was exactly 0 on every calibration value.
+
+Any scale represents zeros exactly; the scale only matters for the requantization of the layer
+producing the tensor. Small enough that unseen values are clipped near 0 (as minmax clips at the observed
+max), large enough that the producer's multipliers stay representable: int8 ADD refuses an output scale
+at or below ``2 * input_scale / 2**20``, i.e. this range works for inputs with scales up to 8.
+"""
+
+_FLOAT32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def _storage_limits(bits: int) -> tuple[int, int]:
+    """(qmin, qmax) of a ``bits``-wide integer stored in int8: [-128, 127] for 8 bits."""
+    return -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+
+
+def _check_bits(bits, where: str) -> None:
+    if not (isinstance(bits, int) and not isinstance(bits, bool) and 2 <= bits <= 8):
+        raise NpuError(f"{where}: bits={bits!r} is not an integer from 2 to 8 (values are stored in int8)")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
+
+
+def _finite_floats(values, what: str) -> np.ndarray:
+    """``values`` flattened to float64; NaN or infinity has no place on a quantization grid, so it raises."""
+    array = np.asarray(values)
+    if array.dtype.kind not in "fiu":
+        raise NpuError(f"{what} must be real numbers, not {array.dtype}")
+    array = array.astype(np.float64, copy=False).reshape(-1)
+    if not np.all(np.isfinite(array)):
+        raise NpuError(f"{what} holds NaN or infinite values")
+    return array
+
+
+@dataclass(eq=False)
+class TensorStats:
+    """Streaming statistics of one float tensor over the calibration set.
+
+    ``update`` takes each batch once and keeps no values: min, max, count, the count of exact zeros, an exact
+    running mean and sum of squared deviations (Chan's pairwise merge, so ``std`` does not suffer from the
+    cancellation of ``E[x^2] - E[x]^2``), and a histogram of ``bins`` bins (an even number, so 0 is an edge
+    and the histogram of ``|x|`` is the signed one folded).
+
+    Attributes
+    ----------
+    bins : int
+        Histogram bins over ``[-R, R]``; even, at least 2.
+    min, max : float
+        Observed extremes (``+inf`` and ``-inf`` before any update).
+    count : int
+        Number of values seen.
+    zeros : int
+        Number of values exactly 0 (they quantize without error; the ``"mse"`` method uses it).
+    """
+
+    bins: int = 2048
+    min: float = field(default=math.inf, init=False)
+    max: float = field(default=-math.inf, init=False)
+    count: int = field(default=0, init=False)
+    zeros: int = field(default=0, init=False)
+    _mean: float = field(default=0.0, init=False, repr=False)
+    _m2: float = field(default=0.0, init=False, repr=False)
+    _range: float = field(default=0.0, init=False, repr=False)
+    _counts: np.ndarray = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bins, int) and not isinstance(self.bins, bool)
+                and self.bins >= 2 and self.bins % 2 == 0):
+            raise NpuError(f"TensorStats.bins={self.bins!r} is not an even integer >= 2 (0 must be a bin edge)")
+        self._counts = np.zeros(self.bins, np.int64)
+
+    def update(self, values) -> None:
+        """Add a batch of values (any shape). NaN or infinity raises :class:`NpuError`; nothing is skipped."""
+        x = _finite_floats(values, "calibration values")
+        if x.size == 0:
+            return
+        low, high = min(self.min, float(x.min())), max(self.max, float(x.max()))
+        if max(-low, high) > self._range:
+            self._widen(max(-low, high))  # first, so that a failure leaves the statistics as they were
+        n, mean = x.size, float(np.mean(x))
+        total = self.count + n
+        delta = mean - self._mean
+        self._mean += delta * n / total
+        self._m2 += float(np.sum((x - mean) ** 2)) + delta * delta * self.count * n / total
+        self.count, self.min, self.max = total, low, high
+        self.zeros += int(np.count_nonzero(x == 0.0))
+        half = self.bins // 2
+        if self._range == 0.0:  # all zeros so far: they belong to the bin [0, w) of whatever grid comes
+            self._counts[half] += n
+            return
+        index = np.floor(x * (half / self._range)).astype(np.int64) + half
+        self._counts += np.bincount(np.clip(index, 0, self.bins - 1), minlength=self.bins)
+
+    def _widen(self, absmax: float) -> None:
+        """Grow the histogram's range to ``k * R`` (``k`` the smallest integer covering ``absmax``).
+
+        onnxruntime's ``HistogramCollector.merge_histogram`` keeps its bin width and adds bins on both sides, so
+        its bin count grows with the data. With a fixed bin count the new bins must be wider; making them exactly
+        ``k`` old bins wide keeps 0 on an edge and puts each old bin inside one new bin, so the merge moves no
+        mass to a wrong bin: the result is exactly the histogram of all values seen on the final grid (up to values
+        within a rounding error of an edge). The price is resolution: the final ``R`` lies in
+        ``[max|x|, 2 * max|x|)``, so at least half the bins cover the data.
+        """
+        if self._range == 0.0:
+            self._range = absmax
+            return
+        k = math.ceil(absmax / self._range)
+        while k * self._range < absmax:
+            k += 1
+        new_range = k * self._range
+        if not math.isfinite(new_range):
+            raise NpuError(f"calibration values up to {absmax:g} overflow the histogram's range")
+        half = self.bins // 2
+        offsets = np.arange(self.bins, dtype=np.int64) - half
+        target = half + np.floor_divide(offsets, min(k, half))  # k >= half maps alike: all to the two middle bins
+        merged = np.zeros(self.bins, np.int64)
+        np.add.at(merged, target, self._counts)
+        self._counts, self._range = merged, new_range
+
+    @property
+    def mean(self) -> float:
+        return self._mean if self.count else math.nan
+
+    @property
+    def std(self) -> float:
+        """Population standard deviation (ddof 0), from the exact running sum of squared deviations."""
+        return math.sqrt(self._m2 / self.count) if self.count else math.nan
+
+    @property
+    def absmax(self) -> float:
+        return max(-self.min, self.max) if self.count else 0.0
+
+    @property
+    def histogram(self) -> tuple[np.ndarray, np.ndarray]:
+        """(counts int64, edges float64) over ``[-R, R]``, ``bins`` bins, ``R`` in ``[max|x|, 2 max|x|)``.
+
+        The last bin is closed (holds ``R``), as in ``np.histogram``. Before any nonzero value ``R`` is 0 and all
+        values sit in bin ``bins // 2``.
+        """
+        return self._counts.copy(), np.linspace(-self._range, self._range, self.bins + 1)
+
+    def abs_histogram(self) -> tuple[np.ndarray, np.ndarray]:
+        """The histogram of ``|x|``: ``bins // 2`` bins over ``[0, R]``, the signed one folded at 0."""
+        half = self.bins // 2
+        counts = self._counts[half:] + self._counts[half - 1::-1]
+        return counts, np.linspace(0.0, self._range, half + 1)
+
+    def summary(self) -> dict:
+        """JSON-ready floats: min, max, count, mean, std, and percentiles estimated from the histogram.
+
+        A percentile interpolates linearly inside its bin (values assumed uniform there) and is clamped to
+        ``[min, max]``. Before any update only ``{"count": 0}``.
+        """
+        if not self.count:
+            return {"count": 0}
+        out = {"min": self.min, "max": self.max, "count": self.count, "mean": self.mean, "std": self.std}
+        counts, edges = self.histogram
+        for q in SUMMARY_PERCENTILES:
+            out[f"p{q:g}"] = _interpolated_percentile(counts, edges, q, self.min, self.max)
+        return out
+
+
+SUMMARY_PERCENTILES = (0.1, 1.0, 50.0, 99.0, 99.9)
+
+
+def _interpolated_percentile(counts, edges, q: float, lo: float, hi: float) -> float:
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    target = q * float(cum[-1]) / 100.0
+    b = int(np.clip(np.searchsorted(cum, target, side="left") - 1, 0, len(counts) - 1))
+    frac = (target - cum[b]) / counts[b] if counts[b] else 0.0
+    return float(min(max(edges[b] + frac * (edges[b + 1] - edges[b]), lo), hi))
+
+
+@dataclass(frozen=True)
+class RangeRequest:
+    """What a range method is asked for.
+
+    Attributes
+    ----------
+    bits : int
+        2 to 8: the quantized tensor has ``2**bits`` levels (stored in int8).
+    symmetric : bool
+        The range is for zero point 0: methods return ``(-t, t)``.
+    percentile : float
+        In (0, 100]: the share of values the ``"percentile"`` method keeps.
+    """
+
+    bits: int = 8
+    symmetric: bool = False
+    percentile: float = 99.99
+
+    def __post_init__(self) -> None:
+        _check_bits(self.bits, "RangeRequest")
+        if not isinstance(self.symmetric, bool):
+            raise NpuError(f"RangeRequest.symmetric={self.symmetric!r} is not a bool")
+        p = self.percentile
+        if not _is_real(p) or not 0.0 < p <= 100.0:
+            raise NpuError(f"RangeRequest.percentile={p!r} is not in (0, 100]")
+
+
+def _finish(lo: float, hi: float, symmetric: bool) -> tuple[float, float]:
+    """Widen a range to hold 0 (zero must be exact: padding and ReLU produce it); give a zero range its default."""
+    lo, hi = min(float(lo), 0.0), max(float(hi), 0.0)
+    if lo == hi:
+        return (-ZERO_RANGE_HI, ZERO_RANGE_HI) if symmetric else (0.0, ZERO_RANGE_HI)
+    return lo, hi
+
+
+def _observed(stats: TensorStats) -> None:
+    if not stats.count:
+        raise NpuError("no calibration values were observed for this tensor: its range cannot be chosen")
+
+
+def minmax_range(stats: TensorStats, request: RangeRequest) -> tuple[float, float]:
+    """The observed (min, max); symmetric: ``±max|x|`` (onnxruntime's MinMax calibrator does the same)."""
+    _observed(stats)
+    if request.symmetric:
+        return _finish(-stats.absmax, stats.absmax, True)
+    return _finish(stats.min, stats.max, False)
+
+
+def percentile_range(stats: TensorStats, request: RangeRequest) -> tuple[float, float]:
+    """Clip the tails so that at least ``percentile`` % of the values stay inside.
+
+    Symmetric: ``t`` is the smallest edge of the ``|x|`` histogram with at least ``p`` % of the values below it.
+    Asymmetric: ``(100 - p) / 2`` % is cut from each tail of the signed histogram, as onnxruntime does; ``lo`` is
+    the largest edge with at most that share below, ``hi`` the smallest with at most that share above.
+    onnxruntime takes the lower edge of the bin where the cumulative share crosses ``p`` (keeping slightly less
+    than ``p`` %); the edges here err on the side of keeping. Clamped to the observed [min, max].
+    """
+    _observed(stats)
+    p = float(request.percentile)
+    if request.symmetric:
+        counts, edges = stats.abs_histogram()
+        cum = np.concatenate([[0], np.cumsum(counts)])
+        t = edges[np.searchsorted(cum, p * cum[-1] / 100.0, side="left")]
+        t = min(float(t), stats.absmax)
+        return _finish(-t, t, True)
+    counts, edges = stats.histogram
+    cum = np.concatenate([[0], np.cumsum(counts)])
+    cut = (100.0 - p) * cum[-1] / 200.0
+    lo = edges[np.searchsorted(cum, cut, side="right") - 1]
+    hi = edges[np.searchsorted(cum, cum[-1] - cut, side="left")]
+    return _finish(max(float(lo), stats.min), min(float(hi), stats.max), False)
+
+
+KL_SMOOTHING = 1e-4
+"""Share of Q spread uniformly over P's support: ``Q' = (1 - e) Q + e / |support|``. onnxruntime and MXNet move
+the same 1e-4 from nonzero bins to empty ones (and give up when a bin is too small to give it); a mixture never
+has to give up, and since ``Q' >= (1 - e) Q`` it raises no finite divergence by more than ``-log(1 - e)``."""
+
+
+def _kl_divergence(counts: np.ndarray, i: int, levels: int) -> float:
+    """KL(P || Q) of TensorRT's entropy calibration for a threshold after ``i`` bins of the ``|x|`` histogram.
+
+    P is the first ``i`` bins with every value beyond them added to the last (what clipping does). Q quantizes
+    the first ``i`` bins, outliers excluded (so clipping mass costs divergence), to ``levels`` groups of
+    consecutive bins as even as integers allow (TensorRT puts the remainder in the last group), and spreads each
+    group's mass evenly over its bins where P is nonzero. Q is zero where P is nonzero when the clipped mass lands
+    in an empty group (isolated outliers far beyond the bulk: the very case clipping is for); the divergence would be
+    infinite and such thresholds never chosen, so Q is smoothed, see :data:`KL_SMOOTHING`.
+    """
+    sliced = counts[:i].astype(np.float64)
+    p = sliced.copy()
+    p[-1] += counts[i:].sum()
+    nonzero = p > 0
+    levels = min(levels, i)
+    starts = (np.arange(levels) * i) // levels
+    sizes = np.diff(np.append(starts, i))
+    mass = np.add.reduceat(sliced, starts)
+    spread = np.add.reduceat(nonzero.astype(np.float64), starts)
+    q = (np.repeat(mass / np.maximum(spread, 1.0), sizes) * nonzero)[nonzero]
+    p = p[nonzero] / p.sum()
+    q = (1.0 - KL_SMOOTHING) * (q / q.sum() if q.sum() else q) + KL_SMOOTHING / q.size
+    return float(np.sum(p * np.log(p / q)))
+
+
+def kl_range(stats: TensorStats, request: RangeRequest) -> tuple[float, float]:
+    """TensorRT's entropy calibration: the ``|x|`` threshold whose clipped, ``2**(bits-1)``-level quantized
+    distribution diverges least (KL) from the clipped original.
+
+    Candidate thresholds are the ``|x|`` histogram's edges from ``2**(bits-1)`` bins (fewer bins than levels
+    lose nothing to quantization) up to the last nonempty bin; the threshold is that bin edge, clamped to
+    ``max|x|``. Symmetric: ``(-t, t)``; asymmetric: ``(max(min, -t), min(max, t))``.
+    """
+    _observed(stats)
+    if stats.absmax == 0.0:
+        return _finish(0.0, 0.0, request.symmetric)
+    counts, edges = stats.abs_histogram()
+    used = int(np.flatnonzero(counts)[-1]) + 1
+    levels = 2 ** (request.bits - 1)
+    candidates = range(min(levels, used), used + 1)
+    divergences = [_kl_divergence(counts, i, levels) for i in candidates]
+    t = min(float(edges[candidates[int(np.argmin(divergences))]]), stats.absmax)
+    if request.symmetric:
+        return _finish(-t, t, True)
+    return _finish(max(stats.min, -t), min(stats.max, t), False)
+
+
+def _clipping_above(counts: np.ndarray, edges: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(mass above ``hi``, sum of ``(x - hi)**2`` over it) for each candidate ``hi``, values uniform in their bin.
+
+    Bins wholly above contribute ``n ((c - hi)**2 + w**2 / 12)`` (``c`` the centre), summed for all candidates
+    at once from suffix sums; the bin ``hi`` falls in contributes the part beyond ``hi``: ``n v**3 / (3 w)``.
+    """
+    width = edges[1] - edges[0]
+    centres = edges[:-1] + width / 2
+    n = counts.astype(np.float64)
+
+    def suffix(values):
+        return np.concatenate([np.cumsum(values[::-1])[::-1], [0.0]])
+
+    s0, s1, s2 = suffix(n), suffix(n * centres), suffix(n * (centres ** 2 + width ** 2 / 12))
+    k = np.clip(np.floor((hi - edges[0]) / width).astype(np.int64), 0, len(counts) - 1)
+    v = np.clip(edges[k + 1] - hi, 0.0, width)
+    mass = s0[k + 1] + n[k] * v / width
+    error = np.maximum(s2[k + 1] - 2 * hi * s1[k + 1] + hi * hi * s0[k + 1], 0.0) + n[k] * v ** 3 / (3 * width)
+    return mass, error
+
+
+def _expected_squared_error(stats: TensorStats, lo: np.ndarray, hi: np.ndarray, step: np.ndarray) -> np.ndarray:
+    """Sum of squared quantization errors for candidate grids ``[lo, hi]`` of spacing ``step`` (1-D arrays).
+
+    Values are assumed uniform within each histogram bin: a value inside the grid is off by rounding noise of
+    variance ``step**2 / 12`` (exact zeros excepted: 0 is on every grid); one outside by its distance to the end
+    of the grid (integrated exactly over the part of a bin beyond it). The bins below ``lo`` are those above
+    ``-lo`` of the mirrored histogram (its edges are symmetric).
+    """
+    counts, edges = stats.histogram
+    above, above_error = _clipping_above(counts, edges, hi)
+    below, below_error = _clipping_above(counts[::-1], edges, -lo)
+    inside = np.maximum(stats.count - above - below - stats.zeros, 0.0)
+    return above_error + below_error + inside * step ** 2 / 12.0
+
+
+def mse_range(stats: TensorStats, request: RangeRequest) -> tuple[float, float]:
+    """The clipping that minimizes the expected squared quantization error (rounding inside, clipping outside).
+
+    Symmetric: ``t`` over the positive histogram edges below ``max|x|`` and ``max|x|`` itself, on the grid the
+    symmetric qparams give (step ``t / qmax``, levels ``qmin * step .. t``). Asymmetric: the observed range
+    (widened to 0) scaled by ``alpha`` in ``1/n, 2/n, .., 1`` (``n = bins / 2``), step ``range / (2**bits - 1)``,
+    which keeps the zero point of the full range and searches one parameter. Ties go to the smallest range.
+    """
+    _observed(stats)
+    if stats.absmax == 0.0:
+        return _finish(0.0, 0.0, request.symmetric)
+    qmin, qmax = _storage_limits(request.bits)
+    half = stats.bins // 2
+    if request.symmetric:
+        _, edges = stats.abs_histogram()
+        t = np.append(edges[1:][edges[1:] < stats.absmax], stats.absmax)
+        step = t / qmax
+        errors = _expected_squared_error(stats, qmin * step, t, step)
+        best = float(t[int(np.argmin(errors))])
+        return _finish(-best, best, True)
+    alpha = np.arange(1, half + 1) / half
+    lo, hi = alpha * min(stats.min, 0.0), alpha * max(stats.max, 0.0)
+    errors = _expected_squared_error(stats, lo, hi, (hi - lo) / (qmax - qmin))
+    best = int(np.argmin(errors))
+    return _finish(lo[best], hi[best], False)
+
+
+RangeMethod = Callable[[TensorStats, RangeRequest], tuple[float, float]]
+
+METHODS: dict[str, RangeMethod] = {
+    "minmax": minmax_range,
+    "percentile": percentile_range,
+    "kl": kl_range,
+    "mse": mse_range,
+}
+"""Range methods by name; a user method is any callable ``(stats, request) -> (lo, hi)``."""
+
+
+def resolve_method(method) -> RangeMethod:
+    """The range method ``method`` names (a key of :data:`METHODS`), or ``method`` itself if callable."""
+    if isinstance(method, str):
+        if method not in METHODS:
+            raise NpuError(f"unknown calibration method {method!r}: use one of {', '.join(METHODS)} or a callable "
+                           "(stats, request) -> (lo, hi)")
+        return METHODS[method]
+    if callable(method):
+        return method
+    raise NpuError(f"calibration method {method!r} is neither one of {', '.join(METHODS)} nor a callable")
+
+
+def choose_range(stats: TensorStats, method="minmax", request: RangeRequest | None = None) -> tuple[float, float]:
+    """The range ``method`` chooses from ``stats``, checked and widened to hold 0.
+
+    Raises
+    ------
+    NpuError
+        Nothing was observed; ``method`` is unknown; a callable returned something other than two finite real
+        numbers with ``lo <= hi``.
+    """
+    request = request if request is not None else RangeRequest()
+    fn = resolve_method(method)
+    _observed(stats)
+    name = method if isinstance(method, str) else getattr(method, "__name__", repr(method))
+    result = fn(stats, request)
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise NpuError(f"calibration method {name} returned {result!r}, not a pair (lo, hi)")
+    lo, hi = result
+    if not (_is_real(lo) and _is_real(hi)):
+        raise NpuError(f"calibration method {name} returned ({lo!r}, {hi!r}): lo and hi must be real numbers")
+    lo, hi = float(lo), float(hi)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise NpuError(f"calibration method {name} returned a non-finite range ({lo}, {hi})")
+    if lo > hi:
+        raise NpuError(f"calibration method {name} returned lo={lo} > hi={hi}")
+    return _finish(lo, hi, request.symmetric)
+
+
+def _round_half_away(x: float) -> int:
+    """std::round, as TFLite's ``TfLiteRound`` (Python's ``round`` is half to even)."""
+    r = round(x)
+    if abs(x - math.trunc(x)) == 0.5:
+        r = math.trunc(x) + (1 if x > 0 else -1)
+    return int(r)
+
+
+def activation_qparams(lo: float, hi: float, *, bits: int = 8, symmetric: bool = False,
+                       power_of_two: bool = False) -> tuple[float, int]:
+    """(scale, zero_point) for a range, integers in ``[-2**(bits-1), 2**(bits-1) - 1]`` stored as int8.
+
+    The range is first widened to hold 0 (a zero-width one becomes ``[0, ZERO_RANGE_HI]``). Asymmetric, bit for
+    bit as TFLite's converter (``GetAsymmetricQuantizationParams`` in ``tools/optimize/quantization_utils.cc``):
+    in float32, ``scale = (hi - lo) / (qmax - qmin)`` and ``zero_point = round(qmin - lo / scale)``, rounded half
+    away from zero (``std::round``; onnxruntime rounds half to even, in float64), clamped to ``[qmin, qmax]``.
+    Symmetric: ``scale = max(|lo|, |hi|) / qmax`` in float32, zero point 0. ``power_of_two`` rounds the scale up
+    to a power of two (nothing clipped; requantization becomes a shift), recomputes the zero point alike, then
+    moves it, when the slack allows, so that neither end of the range is clipped by its rounding.
+
+    Returns
+    -------
+    (float, int)
+        The scale, a positive normal float32 returned as a Python float, and the zero point.
+    """
+    _check_bits(bits, "activation_qparams")
+    lo, hi = float(lo), float(hi)
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        raise NpuError(f"activation range [{lo}, {hi}] is not finite")
+    if lo > hi:
+        raise NpuError(f"activation range has lo={lo} > hi={hi}")
+    lo, hi = _finish(lo, hi, symmetric)
+    qmin, qmax = _storage_limits(bits)
+    with np.errstate(over="ignore", under="ignore"):
+        lo32, hi32 = np.float32(lo), np.float32(hi)
+        if symmetric:
+            scale = max(-lo32, hi32) / np.float32(qmax)
+        else:
+            scale = (hi32 - lo32) / np.float32(qmax - qmin)
+    if power_of_two and scale > 0:
+        mantissa, exponent = math.frexp(float(scale))
+        scale = np.float32(math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent))
+    if not _FLOAT32_TINY <= scale < math.inf:
+        raise NpuError(f"range [{lo:g}, {hi:g}] gives scale {float(scale):g}, not a normal float32")
+    if symmetric:
+        return float(scale), 0
+    from_min = float(np.float32(qmin) - lo32 / scale)
+    zero_point = _round_half_away(from_min)
+    if power_of_two:
+        low, high = math.ceil(from_min), math.floor(float(np.float32(qmax) - hi32 / scale))
+        if low <= high:
+            zero_point = min(max(zero_point, low), high)
+    return float(scale), int(min(max(zero_point, qmin), qmax))
+
+
+def quantize_weights(w, *, axis: int | None, bits: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric weight quantization (zero point 0) to ``±(2**(bits-1) - 1)`` in int8, per tensor or per channel.
+
+    ``scale = max|w| / qmax`` (float32) per channel along ``axis`` (or one for the tensor if ``axis`` is None);
+    ``-qmax - 1`` is left unused, as TFLite's int8 weights require. Quantized as onnxruntime's ``quantize_data``:
+    float32 ``w / scale`` rounded half to even, then clipped. An all-zero channel gets the tensor's largest
+    channel scale (1.0 if all are zero), not a tiny one: the bias of that channel is quantized with
+    ``input_scale * weight_scale`` and would otherwise overflow int32, or a narrow accumulator.
+
+    Returns
+    -------
+    (np.ndarray, np.ndarray)
+        The int8 weights, shaped as ``w``, and the float32 scales, shape ``(1,)`` or ``(w.shape[axis],)``.
+    """
+    _check_bits(bits, "quantize_weights")
+    array = np.asarray(w)
+    if array.dtype.kind not in "fiu":
+        raise NpuError(f"weights must be real numbers, not {array.dtype}")
+    if array.size == 0:
+        raise NpuError("weights are empty")
+    with np.errstate(over="ignore"):
+        w32 = array.astype(np.float32)
+    if not np.all(np.isfinite(w32)):
+        raise NpuError("weights hold NaN or infinite values (or values beyond float32)")
+    qmax = 2 ** (bits - 1) - 1
+    shape = [1] * w32.ndim
+    if axis is None:
+        absmax = np.array([np.max(np.abs(w32))])
+    else:
+        if isinstance(axis, bool) or not isinstance(axis, (int, np.integer)) or not -w32.ndim <= axis < w32.ndim:
+            raise NpuError(f"weight axis {axis!r} is out of range for weights of shape {w32.shape}")
+        axis = int(axis) % w32.ndim
+        others = tuple(d for d in range(w32.ndim) if d != axis)
+        absmax = np.max(np.abs(w32), axis=others) if others else np.abs(w32)
+        shape[axis] = w32.shape[axis]
+    scales = (absmax.astype(np.float64) / qmax).astype(np.float32)
+    unusable = ~(scales >= _FLOAT32_TINY)
+    if np.any(unusable):
+        scales[unusable] = scales.max() if not np.all(unusable) else np.float32(1.0)
+    q = np.clip(np.rint(w32 / scales.reshape(shape)), -qmax, qmax).astype(np.int8)
+    return q, scales
+
+
+__all__ = ["TensorStats", "RangeRequest", "METHODS", "RangeMethod", "ZERO_RANGE_HI", "KL_SMOOTHING", "resolve_method",
+           "choose_range", "activation_qparams", "quantize_weights", "minmax_range", "percentile_range",
+           "kl_range", "mse_range"]

@@ -1,0 +1,63 @@
+"""Small float Relax models built by hand, as TVM's TFLite importer writes float graphs (test helper)."""
+
+from __future__ import annotations
+
+import numpy as np
+import tvm
+from tvm import relax
+
+
+def _const(rng, shape, scale=0.3):
+    return relax.const(rng.normal(0.0, scale, shape).astype(np.float32))
+
+
+def float_cnn(seed: int = 0, channels: int = 4, weight=None) -> tvm.IRModule:
+    """conv+ReLU, depthwise+ReLU6, residual add, squeeze-excite (mean, sigmoid, multiply), hard swish,
+    average pool, flatten, dense+bias: every layer kind the digits models use, NHWC [1, 8, 8, 1] in."""
+    rng = np.random.default_rng(seed)
+    c = channels
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 8, 8, 1), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            conv_w = relax.const(weight) if weight is not None else _const(rng, (3, 3, 1, c))
+            y = bb.emit(relax.op.nn.conv2d(x, conv_w, padding=[1, 1, 1, 1], data_layout="NHWC",
+                                           kernel_layout="HWIO"))
+            y = bb.emit(relax.op.add(y, _const(rng, (c,), 0.1)))
+            y = bb.emit(relax.op.nn.relu(y))
+            d = bb.emit(relax.op.nn.conv2d(y, _const(rng, (3, 3, c, 1)), padding=[1, 1, 1, 1], groups=c,
+                                           data_layout="NHWC", kernel_layout="HWOI"))
+            d = bb.emit(relax.op.add(d, _const(rng, (c,), 0.1)))
+            d = bb.emit(relax.op.clip(d, 0, 6))
+            s = bb.emit(relax.op.add(y, d))
+            m = bb.emit(relax.op.mean(s, axis=[1, 2], keepdims=True))
+            g = bb.emit(relax.op.sigmoid(m))
+            s = bb.emit(relax.op.multiply(s, g))
+            h = bb.emit(relax.op.add(s, relax.const(3.0, "float32")))
+            h = bb.emit(relax.op.clip(h, 0, 6))
+            h = bb.emit(relax.op.multiply(s, h))
+            h = bb.emit(relax.op.divide(h, relax.const(6.0, "float32")))
+            p = bb.emit(relax.op.nn.avg_pool2d(h, pool_size=[2, 2], strides=[2, 2], layout="NHWC"))
+            f = bb.emit(relax.op.reshape(p, (1, 16 * c)))
+            o = bb.emit(relax.op.matmul(f, _const(rng, (16 * c, 10), 0.2)))
+            o = bb.emit(relax.op.add(o, _const(rng, (10,), 0.1)))
+            out = bb.emit_output(o)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def float_dense_chain(weights: list[np.ndarray], relu: bool = True) -> tvm.IRModule:
+    """x [1, K] -> dense (+ReLU) -> dense ...: the smallest graph in which one layer can be made costly."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, weights[0].shape[0]), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = x
+            for k, w in enumerate(weights):
+                y = bb.emit(relax.op.matmul(y, relax.const(w.astype(np.float32))))
+                y = bb.emit(relax.op.add(y, relax.const(np.zeros(w.shape[1], np.float32))))
+                if relu and k + 1 < len(weights):
+                    y = bb.emit(relax.op.nn.relu(y))
+            out = bb.emit_output(y)
+        bb.emit_func_output(out)
+    return bb.get()

@@ -1,0 +1,225 @@
+"""Post-training quantization: the canonical QDQ form it emits, its configuration, and that the NPU computes
+exactly what calibration simulated."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import npu_backend
+from float_models import float_cnn, float_dense_chain
+from npu_backend import NpuError, QConfig
+from npu_backend.quantization import calibrate, calibration_samples, quantization_report
+
+RNG = np.random.default_rng(7)
+CALIBRATION = RNG.random((12, 8, 8, 1)).astype(np.float32)
+TEST = RNG.random((6, 8, 8, 1)).astype(np.float32)
+
+
+def _run_partitioned(qmod, inputs):
+    partitioned = npu_backend.partition_for_npu(qmod)
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    return partitioned, [vm["main"](tvm.runtime.tensor(x[None])).numpy() for x in inputs]
+
+
+def _calls(mod, op_name):
+    return [b.value for block in mod["main"].body.blocks for b in block.bindings
+            if isinstance(b.value, relax.Call) and getattr(b.value.op, "name", "") == op_name]
+
+
+@pytest.fixture(scope="module")
+def cnn():
+    return calibrate(float_cnn(), CALIBRATION)
+
+
+@pytest.mark.parametrize("rounding", ["tflite", "onnxruntime"])
+def test_every_layer_on_the_npu_and_bit_exact_with_the_simulation(rounding, cnn):
+    calibrated = cnn if rounding == "tflite" else calibrate(float_cnn(), CALIBRATION, QConfig(rounding=rounding))
+    partitioned, outputs = _run_partitioned(calibrated.module, TEST)
+    report = npu_backend.partition_report(partitioned)
+    assert report.numerics == ("tflite" if rounding == "tflite" else "onnxruntime")
+    assert sorted({o.op for o in report.host_ops}) == ["relax.dequantize", "relax.quantize"]
+    assert len(report.host_ops) == 2  # the model's entry quantize and exit dequantize
+    composites = {o.composite for o in report.npu_ops}
+    assert {"npu.conv2d", "npu.depthwise_conv2d", "npu.add", "npu.mean", "npu.sigmoid", "npu.multiply",
+            "npu.hard_swish", "npu.avg_pool2d", "npu.reshape", "npu.fully_connected"} <= composites
+    simulated = calibrated.simulate(TEST)
+    for got, sim in zip(outputs, simulated):
+        np.testing.assert_array_equal(got, sim[0])
+
+
+def test_signature_stays_float_and_weights_are_per_channel_with_zero_point_zero(cnn):
+    main = cnn.module["main"]
+    assert [str(p.ty.dtype) for p in main.params] == ["float32"]
+    assert str(main.body.body.ty.dtype) == "float32"
+    weights = [c for c in _calls(cnn.module, "relax.dequantize") if str(c.args[0].ty.dtype) == "int8"
+               and isinstance(c.args[0], tvm.ir.expr.Constant)]
+    conv, depthwise, dense = weights
+    for call, axis, channels in ((conv, 3, 4), (depthwise, 2, 4), (dense, 1, 10)):
+        assert int(call.attrs.axis) == axis
+        assert call.args[1].value.numpy().shape == (channels,)
+        np.testing.assert_array_equal(call.args[2].value.numpy(), np.zeros(channels))
+        q = call.args[0].value.numpy()
+        assert q.min() >= -127 and q.max() <= 127
+        assert np.all(np.abs(np.moveaxis(q, axis, 0)).reshape(channels, -1).max(axis=1) == 127)
+
+
+def test_sigmoid_output_is_tflites_fixed_qparams(cnn):
+    sigmoid = next(layer for layer in cnn.report.layers if layer.kind == "sigmoid")
+    assert (sigmoid.output_scale, sigmoid.output_zero_point) == (1.0 / 256, -128)
+
+
+def test_report_lists_every_layer_with_its_sqnr(cnn):
+    report = quantization_report(cnn.module)
+    assert [layer.name for layer in report.layers] == [
+        "conv2d_0", "conv2d_1", "add_2", "mean_3", "sigmoid_4", "multiply_5", "hard_swish_6", "avg_pool2d_7",
+        "reshape_8", "matmul_9"]
+    assert all(layer.placement == "npu" for layer in report.layers)
+    assert all(20.0 < layer.sqnr_db < 80.0 for layer in report.layers)
+    assert report.output_sqnr_db == pytest.approx(report.layers[-1].sqnr_db)
+    assert report.layers[0].accumulator_peak > 0
+    assert report.total_overflows == 0
+    text = report.to_table()
+    assert "conv2d_0" in text and "output SQNR" in text
+    assert quantization_report(cnn.module).to_json() == report.to_json()
+
+
+def test_weight_bits_restrict_the_int8_range():
+    calibrated = calibrate(float_cnn(), CALIBRATION, QConfig(weight_bits=4))
+    for call in _calls(calibrated.module, "relax.dequantize"):
+        if isinstance(call.args[0], tvm.ir.expr.Constant) and str(call.args[0].ty.dtype) == "int8":
+            q = call.args[0].value.numpy()
+            assert q.min() >= -7 and q.max() <= 7 and np.abs(q).max() == 7
+
+
+def test_power_of_two_scales_everywhere():
+    calibrated = calibrate(float_cnn(), CALIBRATION, QConfig(power_of_two=True, rounding="onnxruntime"))
+    for call in _calls(calibrated.module, "relax.quantize") + _calls(calibrated.module, "relax.dequantize"):
+        if str(call.args[0].ty.dtype) == "int32":
+            continue  # a bias scale is the product of two powers of two, so one too: checked below
+        scales = call.args[1].value.numpy().reshape(-1)
+        assert np.all(np.log2(scales) == np.round(np.log2(scales))), scales
+
+
+def test_global_scale_puts_every_calibrated_activation_on_one_range():
+    calibrated = calibrate(float_cnn(), CALIBRATION, QConfig(global_scale=8.0))
+    calibrated_kinds = {"conv2d", "add", "mean", "multiply", "hard_swish", "matmul"}
+    for layer in calibrated.report.layers:
+        if layer.kind in calibrated_kinds:  # the old workflow's global scale: symmetric, [-g, g] on 127 steps
+            assert (layer.output_scale, layer.output_zero_point) == (float(np.float32(8.0 / 127)), 0)
+    assert {t.method for t in calibrated.report.tensors} == {"global_scale"}
+
+
+def test_skip_layers_and_float_ops_stay_on_the_host_in_float():
+    by_index = calibrate(float_cnn(), CALIBRATION, QConfig(skip_layers=(0,), float_ops=("sigmoid",)))
+    placements = {layer.name: layer.placement for layer in by_index.report.layers}
+    assert placements["conv2d_0"] == "float" and placements["sigmoid_4"] == "float"
+    assert placements["conv2d_1"] == "npu"
+    by_name = calibrate(float_cnn(), CALIBRATION, QConfig(skip_layers=("conv2d_0",)))
+    assert by_name.report.layers[0].placement == "float"
+    partitioned, outputs = _run_partitioned(by_index.module, TEST)
+    host = {o.op for o in npu_backend.partition_report(partitioned).host_ops}
+    assert {"relax.nn.conv2d", "relax.sigmoid"} <= host
+    for got, sim in zip(outputs, by_index.simulate(TEST)):
+        np.testing.assert_allclose(got, sim[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("skip, message", [((99,), "index 99"), (("conv9",), "no layer named 'conv9'")])
+def test_skip_layers_that_do_not_exist_are_refused(skip, message):
+    with pytest.raises(NpuError, match=message):
+        calibrate(float_cnn(), CALIBRATION, QConfig(skip_layers=skip))
+
+
+def test_fallback_keeps_the_sensitive_layer_in_float():
+    rng = np.random.default_rng(3)
+    first = rng.normal(0, 0.2, (16, 16)).astype(np.float32)
+    sensitive = rng.normal(0, 0.2, (16, 16)).astype(np.float32)
+    first[:, 0] = 0.0  # the first layer's channel 0 is always 0 ...
+    sensitive[0, :] = 200.0  # ... so these weights never matter in float, but per tensor every other weight rounds to 0
+    last = rng.normal(0, 0.2, (16, 4)).astype(np.float32)
+    mod = float_dense_chain([first, sensitive, last])
+    data = rng.normal(0, 1, (16, 16)).astype(np.float32)
+    base = calibrate(mod, data, QConfig(per_channel=False))
+    fallback = calibrate(mod, data, QConfig(per_channel=False, fallback_budget_db=3.0))
+    placements = [layer.placement for layer in fallback.report.layers]
+    assert placements == ["npu", "float", "npu"]
+    assert "float fall-back" in fallback.report.layers[1].note
+    assert fallback.report.output_sqnr_db > base.report.output_sqnr_db + 3.0
+
+
+def test_calibration_data_forms():
+    params = float_cnn()["main"].params
+    batch = calibration_samples(CALIBRATION[:3], params)
+    as_list = calibration_samples([CALIBRATION[i:i + 1] for i in range(3)], params)
+    as_dicts = calibration_samples(({"x": CALIBRATION[i:i + 1]} for i in range(3)), params)
+    assert len(batch) == len(as_list) == len(as_dicts) == 3
+    for a, b, c in zip(batch, as_list, as_dicts):
+        assert a[0].shape == (1, 8, 8, 1)
+        np.testing.assert_array_equal(a[0], b[0])
+        np.testing.assert_array_equal(a[0], c[0])
+
+
+@pytest.mark.parametrize("data, message", [
+    (np.zeros((2, 9, 8, 1), np.float32), r"has shape \(2, 9, 8, 1\); the model takes \(1, 8, 8, 1\)"),
+    ([], "empty"),
+    (np.full((1, 8, 8, 1), np.nan, np.float32), "NaN"),
+    ({"y": np.zeros((1, 8, 8, 1), np.float32)}, "lacks input"),
+    (3, "must be an array"),
+])
+def test_bad_calibration_data_is_refused(data, message):
+    with pytest.raises(NpuError, match=message):
+        calibrate(float_cnn(), data)
+
+
+def test_an_already_quantized_model_is_refused(cnn):
+    with pytest.raises(NpuError, match="already quantizes"):
+        calibrate(cnn.module, CALIBRATION)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("calibration", "median"), ("percentile", 40.0), ("percentile", 101.0), ("per_channel", 1),
+    ("weight_bits", 1), ("weight_bits", 9), ("weight_bits", 8.0), ("rounding", "half_up"),
+    ("accumulator_bits", 13), ("accumulator_bits", 33), ("accumulator_overflow", "clip"),
+    ("global_scale", 0.0), ("global_scale", math.inf), ("skip_layers", [0]), ("skip_layers", (-1,)),
+    ("float_ops", ("sigmoid", 3)), ("fallback_budget_db", -1.0), ("bins", 8), ("preset", 3),
+    ("symmetric_activations", "yes"), ("power_of_two", None), ("avoid_overflow", 0),
+])
+def test_every_invalid_config_value_names_its_field(field, value):
+    with pytest.raises(NpuError, match=rf"QConfig\.{field}:"):
+        QConfig(**{field: value})
+
+
+def test_a_callable_is_a_calibration_method():
+    seen = []
+
+    def half_range(stats, request):
+        seen.append(stats.count)
+        return stats.min / 2, stats.max / 2
+
+    calibrated = calibrate(float_cnn(), CALIBRATION, QConfig(calibration=half_range))
+    assert seen and all(count > 0 for count in seen)
+    assert {t.method for t in calibrated.report.tensors} == {"half_range"}
+
+
+def test_narrow_accumulator_overflows_are_counted_and_avoidable():
+    rng = np.random.default_rng(5)
+    w = rng.normal(0, 0.3, (64, 8)).astype(np.float32)
+    mod = float_dense_chain([w])
+    data = rng.random((8, 64)).astype(np.float32) + 0.5  # all-positive inputs: products add up
+    wide = calibrate(mod, data, QConfig(accumulator_bits=32))
+    peak = wide.report.layers[0].accumulator_peak
+    assert 2 ** 13 < peak < 2 ** 20
+    narrow = calibrate(mod, data, QConfig(accumulator_bits=14, accumulator_overflow="saturate"))
+    assert narrow.report.layers[0].overflows > 0
+    assert narrow.report.total_overflows == narrow.report.layers[0].overflows
+    fixed = calibrate(mod, data, QConfig(accumulator_bits=14, avoid_overflow=True))
+    layer = fixed.report.layers[0]
+    assert layer.overflows == 0 and layer.accumulator_peak <= 2 ** 13 - 1
+    assert layer.widened_channels > 0 and "widened" in layer.note
+    partitioned, outputs = _run_partitioned(fixed.module, data[:3])
+    for got, sim in zip(outputs, fixed.simulate(data[:3])):
+        np.testing.assert_array_equal(got, sim[0])
