@@ -25,6 +25,7 @@ from .ops import OPS
 from .partition import partition_for_npu
 from .patterns import register_table
 from .profiling import Profile, profile
+from .quantization import QConfig, QuantizationReport, calibrate, quantization_report, quantize
 from .report import PartitionReport, partition_report
 
 register_table(OPS)
@@ -44,5 +45,6 @@ def build(mod: tvm.IRModule, target: str = "llvm", preset: NpuConfig | str = DEF
 __all__ = [
     "build", "partition_for_npu", "partition_report", "PartitionReport", "profile", "Profile",
     "load_tflite", "load_onnx", "load_model", "codegen", "NpuError", "InternalError", "ModelImportError", "QParamError",
-    "UnsupportedOpError", "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config", "load_config", "register_preset",
+    "UnsupportedOpError", "quantize", "calibrate", "QConfig", "QuantizationReport", "quantization_report",
+    "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config", "load_config", "register_preset",
 ]

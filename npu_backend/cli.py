@@ -1,4 +1,4 @@
-"""The ``npu`` command: run | compile | partition | inspect | sim.
+"""The ``npu`` command: run | compile | partition | quantize | inspect | sim.
 
 ``inspect`` and ``sim`` import only the simulator (no TVM), so they start fast
 and work where only numpy and flatbuffers are installed. Every failure the
@@ -61,12 +61,20 @@ def cmd_inspect(args) -> int:
 
 
 def _print_run_stats(stats) -> None:
-    print(f"{'#':>4} {'layer':<22} {'opcode':<17} {'cycles':>9} {'MACs':>10} {'DRAM rd':>8} {'DRAM wr':>8}")
+    """The per-command table; an ``overflows`` column and line appear whenever an accumulator overflowed."""
+    from simulator.machine import describe_overflows
+
+    overflowed = stats.total_overflows > 0
+    extra = f" {'overflows':>9}" if overflowed else ""
+    print(f"{'#':>4} {'layer':<22} {'opcode':<17} {'cycles':>9} {'MACs':>10} {'DRAM rd':>8} {'DRAM wr':>8}{extra}")
     for c in stats.commands:
+        extra = f" {c.overflows:>9}" if overflowed else ""
         print(f"{c.index:>4} {c.layer:<22} {c.opcode.name:<17} {c.cycles:>9} {c.macs:>10} "
-              f"{c.dram_read_bytes:>8} {c.dram_write_bytes:>8}")
+              f"{c.dram_read_bytes:>8} {c.dram_write_bytes:>8}{extra}")
     print(f"total: {stats.total_cycles} cycles, {stats.total_macs} MACs, {stats.total_dram_bytes} DRAM bytes "
           f"on {stats.config.name}")
+    if overflowed:
+        print(describe_overflows(stats.total_overflows, stats.config))
 
 
 def cmd_sim(args) -> int:
@@ -190,7 +198,17 @@ def _onnxruntime_outputs(model: str, inputs: list[np.ndarray]):
     return session.run(None, feeds), "onnxruntime, optimizations off"
 
 
-REFERENCES = {".tflite": (_tflite_outputs, "ai-edge-litert"), ".onnx": (_onnxruntime_outputs, "onnxruntime")}
+def _simulated_outputs(model: str, inputs: list[np.ndarray]):
+    """(outputs, label): a quantized-model file's simulated quantization, layer by layer on the NPU's integers."""
+    from npu_backend.quantization.stored import load_quantized
+
+    calibrated = load_quantized(model)
+    names = [p.name for p in calibrated.module["main"].params]
+    return calibrated.simulate([dict(zip(names, inputs))])[0], "the simulated quantization it was calibrated on"
+
+
+REFERENCES = {".tflite": (_tflite_outputs, "ai-edge-litert"), ".onnx": (_onnxruntime_outputs, "onnxruntime"),
+              ".npuq": (_simulated_outputs, "")}
 """Per model type: how to run the runtime the NPU must match, and the package it needs."""
 
 
@@ -242,6 +260,72 @@ def cmd_run(args) -> int:
     return 0 if mismatched == 0 else 1
 
 
+def _calibration_data(path: str, names: list[str], key: str | None):
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            arrays = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as exc:
+        raise NpuError(f"cannot read calibration data {path}: {_first_line(exc)}") from None
+    if len(names) == 1:
+        pick = key or (names[0] if names[0] in arrays else None) or (next(iter(arrays)) if len(arrays) == 1 else None)
+        if pick not in arrays:
+            raise NpuError(f"{path} holds {', '.join(arrays) or 'nothing'}: say which array with --key")
+        return arrays[pick]
+    missing = [n for n in names if n not in arrays]
+    if missing:
+        raise NpuError(f"{path} lacks arrays for inputs {', '.join(missing)} (one array per model input, by name)")
+    return {n: arrays[n] for n in names}
+
+
+def _progress(total: int):
+    """A progress bar over layers when tqdm is installed (the ``progress`` extra), else a quiet callback."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, None
+    bar = tqdm(total=total, desc="calibrating", unit="layer", file=sys.stderr, disable=None)  # None: only on a tty
+    return bar, lambda layer: bar.update(1)
+
+
+def cmd_quantize(args) -> int:
+    import npu_backend
+    from npu_backend.quantization import QConfig, calibrate, calibration_samples
+    from npu_backend.quantization.calibrate import check_float_module
+    from npu_backend.quantization.layers import cut_layers
+    from npu_backend.quantization.stored import SUFFIX, save_quantized
+
+    if not str(args.output).endswith(SUFFIX):
+        raise NpuError(f"the quantized model is written as a {SUFFIX} file: name -o accordingly")
+    mod = npu_backend.load_model(args.model)
+    check_float_module(mod["main"])
+    data = _calibration_data(args.calibration, [p.name for p in mod["main"].params], args.key)
+    calibration_samples(data, mod["main"].params)  # bad data is refused here, before a progress bar starts
+    settings = dict(calibration=args.method, weight_bits=args.weight_bits, accumulator_bits=args.accumulator_bits,
+                    accumulator_overflow=args.overflow, per_channel=not args.per_tensor,
+                    symmetric_activations=args.symmetric, power_of_two=args.power_of_two,
+                    avoid_overflow=args.avoid_overflow, fallback_budget_db=args.fallback_budget,
+                    global_scale=args.global_scale, preset=args.preset,
+                    rounding=args.rounding or ("onnxruntime" if args.model.lower().endswith(".onnx") else "tflite"),
+                    skip_layers=tuple(int(s) if s.isdigit() else s for s in args.skip or ()))
+    if args.percentile is not None:
+        settings["percentile"] = args.percentile
+    config = QConfig(**settings)
+    bar, progress = _progress(len(cut_layers(mod["main"])[0]))
+    try:
+        calibrated = calibrate(mod, data, config, progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    save_quantized(calibrated, args.model, args.output)
+    report = calibrated.report
+    print(report.to_json() if args.json else report.to_table())
+    if args.plot:
+        report.plot(args.plot)
+        print(f"SQNR plot written to {args.plot}")
+    print(f"quantized model written to {args.output} (npu run|partition|compile accept it)")
+    return 0
+
+
 PRESET_HELP = ("hardware: a preset name (" + ", ".join(sorted(PRESETS)) + ") or a .toml/.json configuration file "
                "of NpuConfig fields ('base' names a preset to inherit from)")
 
@@ -270,6 +354,33 @@ def build_parser() -> argparse.ArgumentParser:
         command.add_argument("--reference", default="auto", choices=["auto", "tflite", "onnxruntime"],
                              help="whose rounding to reproduce (default: the model file's own runtime)")
     part.set_defaults(func=cmd_partition)
+    quant = sub.add_parser("quantize", help="post-training quantization of a float .tflite/.onnx model into the "
+                                            "int8 form the NPU runs; writes a .npuq file and prints the report")
+    quant.add_argument("model")
+    quant.add_argument("--calibration", required=True, help=".npz of calibration inputs (a batch on axis 0; one "
+                                                            "array per input, by name, for several inputs)")
+    quant.add_argument("--key", help="which array of the .npz (single-input models)")
+    quant.add_argument("--method", default="minmax", choices=["minmax", "percentile", "kl", "mse"])
+    quant.add_argument("--percentile", type=float, help="percentile kept by --method percentile")
+    quant.add_argument("--weight-bits", type=int, default=8)
+    quant.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor (default: per channel)")
+    quant.add_argument("--symmetric", action="store_true", help="symmetric activations (zero point 0)")
+    quant.add_argument("--power-of-two", action="store_true", help="power-of-two scales (shifts, no multipliers)")
+    quant.add_argument("--rounding", choices=["tflite", "onnxruntime"],
+                       help="requantization rounding (default: the source format's runtime)")
+    quant.add_argument("--accumulator-bits", type=int, default=32)
+    quant.add_argument("--overflow", default="wrap", choices=["wrap", "saturate"])
+    quant.add_argument("--avoid-overflow", action="store_true",
+                       help="widen weight scales until no accumulator overflows on the calibration set")
+    quant.add_argument("--fallback-budget", type=float, metavar="DB",
+                       help="keep in float the layers whose quantization costs the output more than DB dB of SQNR")
+    quant.add_argument("--global-scale", type=float, help="every activation on the range [-g, g]")
+    quant.add_argument("--skip", action="append", help="layer kept float (name or index; repeatable)")
+    quant.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
+    quant.add_argument("--json", action="store_true", help="print the report as JSON")
+    quant.add_argument("--plot", help="write a PNG of per-layer SQNR (needs matplotlib)")
+    quant.add_argument("-o", "--output", required=True, help="the quantized model (.npuq)")
+    quant.set_defaults(func=cmd_quantize)
     insp = sub.add_parser("inspect", help="validate and print a command stream")
     insp.add_argument("stream")
     insp.set_defaults(func=cmd_inspect)

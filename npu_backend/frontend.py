@@ -85,11 +85,18 @@ def load_onnx(path: str | Path) -> tvm.IRModule:
         raise ModelImportError(f"TVM's ONNX importer rejected {path.name}: {_last_line(exc)}") from None
 
 
-LOADERS = {".tflite": load_tflite, ".onnx": load_onnx}
+def load_quantized_model(path: str | Path) -> tvm.IRModule:
+    """The QDQ module of a quantized-model file written by ``npu quantize``."""
+    from .quantization.stored import load_quantized
+
+    return load_quantized(path).module
+
+
+LOADERS = {".tflite": load_tflite, ".onnx": load_onnx, ".npuq": load_quantized_model}
 
 
 def load_model(path: str | Path) -> tvm.IRModule:
-    """Import a model by its file extension (.tflite or .onnx)."""
+    """Import a model by its file extension (.tflite, .onnx, or .npuq from ``npu quantize``)."""
     suffix = Path(path).suffix.lower()
     if suffix not in LOADERS:
         raise ModelImportError(f"{Path(path).name}: unknown model type {suffix!r} (known: {', '.join(LOADERS)})")

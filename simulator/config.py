@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import ConfigError
+from .numerics import ACCUMULATOR_OVERFLOWS
+
+LATE_FIELDS = ("accumulator_overflow",)
+"""Fields added after streams began to carry fingerprints (format 1.3). At their default they stay out of
+the fingerprint's canonical form, so hardware described before they existed keeps its fingerprint, and
+the streams written for it still verify."""
 
 
 @dataclass(frozen=True)
@@ -31,7 +37,10 @@ class NpuConfig:
     mac_cols : int
         Input channels (reduction depth) consumed per cycle by each row.
     accumulator_bits : int
-        Width of the accumulators; sums wrap at this width as in hardware.
+        Width, 14 to 32, of every integer sum register: the MAC array's (CONV2D, DEPTHWISE_CONV2D,
+        FULLY_CONNECTED, MEAN) and the pooling unit's window sum (AVG_POOL2D). At most 32 because the
+        output stage rescales int32 values (TFLite's ``MultiplyByQuantizedMultiplier``); 14 is the
+        narrowest register studied (it still holds an 8 x 8 window sum of int8 values).
     sram_bytes : int
         On-chip SRAM that every tile (weights, scales, input and output stripes) must fit.
     dram_bytes : int
@@ -58,6 +67,17 @@ class NpuConfig:
         Alignment (bytes, a power of two) the compiler gives every SRAM region.
     lut_entries : int
         Entries of the output stage's look-up table; int8 activations need 256.
+    accumulator_overflow : str
+        ``"wrap"`` or ``"saturate"``: what an accumulator register does with a sum it cannot hold.
+        The adder tree is exact and the register of ``accumulator_bits`` receives bias plus the sum of
+        products (MEAN, AVG_POOL2D: the sum of their inputs); when that exact value lies outside
+        [-2**(b-1), 2**(b-1) - 1] the element *overflows*: ``"wrap"`` keeps its low bits (two's
+        complement, identical to wrapping after every addition), ``"saturate"`` clamps it to the range
+        on write-back. The simulator counts overflowed elements per command
+        (:attr:`simulator.machine.CommandStats.overflows`). Not affected: units that compute in float32
+        (MEAN and AVG_POOL2D under ``Rounding.ONNXRUNTIME``) and the int32 fixed-point intermediates of
+        TFLite's ADD/SUB/MUL and SOFTMAX algorithms, which are formats of those algorithms (ADD shifts
+        its inputs left by 20 bits), not sums of products.
     """
 
     name: str
@@ -77,6 +97,7 @@ class NpuConfig:
     clock_mhz: int
     sram_align: int = 16
     lut_entries: int = 256
+    accumulator_overflow: str = "wrap"
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -85,6 +106,8 @@ class NpuConfig:
             value = getattr(self, f.name)
             if f.type == "int" and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ConfigError(f"{self.name}: {f.name} must be an integer, got {value!r}")
+            if f.type == "str" and not isinstance(value, str):
+                raise ConfigError(f"{self.name}: {f.name} must be a string, got {value!r}")
             if f.type == "float":
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise ConfigError(f"{self.name}: {f.name} must be a number, got {value!r}")
@@ -98,21 +121,27 @@ class NpuConfig:
             raise ConfigError(f"{self.name}: dram_bytes_per_cycle must be positive and finite")
         if self.dram_latency_cycles < 0 or self.command_overhead_cycles < 0:
             raise ConfigError(f"{self.name}: latencies cannot be negative")
-        if not 16 <= self.accumulator_bits <= 64:
-            raise ConfigError(f"{self.name}: accumulator_bits must be in [16, 64]")
+        if not 14 <= self.accumulator_bits <= 32:
+            raise ConfigError(f"{self.name}: accumulator_bits must be in [14, 32], got {self.accumulator_bits}")
+        if self.accumulator_overflow not in ACCUMULATOR_OVERFLOWS:
+            raise ConfigError(f"{self.name}: accumulator_overflow must be one of "
+                              f"{', '.join(map(repr, ACCUMULATOR_OVERFLOWS))}, got {self.accumulator_overflow!r}")
         if self.sram_align & (self.sram_align - 1):
             raise ConfigError(f"{self.name}: sram_align {self.sram_align} is not a power of two")
         if self.sram_bytes % self.sram_align:
             raise ConfigError(f"{self.name}: sram_bytes {self.sram_bytes} is not a multiple of sram_align")
 
-    def values(self) -> dict[str, int | float]:
+    def values(self) -> dict[str, int | float | str]:
         """Every hardware number, by field name (the name excluded: it is a label)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "name"}
 
     @property
     def fingerprint(self) -> str:
-        """16 hex digits of SHA-256 over the numbers: equal exactly when the hardware is."""
-        canonical = json.dumps(self.values(), sort_keys=True)
+        """16 hex digits of SHA-256 over the numbers (``LATE_FIELDS`` at their default left out): equal
+        exactly when the hardware is."""
+        values = {k: v for k, v in self.values().items()
+                  if not (k in LATE_FIELDS and v == self.__dataclass_fields__[k].default)}
+        canonical = json.dumps(values, sort_keys=True)
         return hashlib.sha256(canonical.encode()).hexdigest()[:16]
 
     def differences(self, other: "NpuConfig") -> list[str]:

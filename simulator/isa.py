@@ -16,7 +16,7 @@ from .config import NpuConfig, get_config
 from .errors import StreamError
 from .numerics import Rounding
 
-FORMAT_VERSION = (2, 0)
+FORMAT_VERSION = (2, 1)
 """(major, minor) of the command-stream format; a reader accepts the majors in ``READABLE_MAJORS``.
 
 1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
@@ -26,7 +26,10 @@ their defaults (0) keep 1.0 and 1.1 streams meaning what they meant.
 1.3 added ``CommandStream.hardware``: the configuration's numbers and fingerprint.
 Older streams name only a preset, which the reader looks up.
 2.0 wraps the flatbuffer in a header holding the version, the payload's length and a
-SHA-256 over header and payload (:mod:`simulator.stream`); 1.x files are bare flatbuffers."""
+SHA-256 over header and payload (:mod:`simulator.stream`); 1.x files are bare flatbuffers.
+2.1 added ``HardwareConfig.accumulator_overflow`` (``NpuConfig.accumulator_overflow``); a stream
+without it, as every older one, means ``"wrap"``, what the accumulators always did. Older formats
+cannot carry ``"saturate"``: the encoder refuses rather than write a stream that would run wrapped."""
 
 READABLE_MAJORS = (1, 2)
 

@@ -2,9 +2,17 @@
 
 Convolution follows TFLite's reference integer kernels
 (reference_integer_ops/conv.h, depthwise_conv.h, fully_connected.h):
-``acc = bias + sum((x - input_zero_point) * w)`` in wide integers, wrapped to the
-accumulator width, then the numerics module's output stage. Padding is filled
-with the input zero point, i.e. contributes nothing to the sum.
+``acc = bias + sum((x - input_zero_point) * w)`` in wide integers, written to an
+accumulator register of ``NpuConfig.accumulator_bits`` (wrapped or saturated as
+``NpuConfig.accumulator_overflow`` says), then the numerics module's output
+stage. Padding is filled with the input zero point, i.e. contributes nothing to
+the sum.
+
+Every kernel returns how many output elements overflowed their accumulator
+(:func:`simulator.numerics.narrow_accumulator`): the MAC array's kernels
+(CONV2D, DEPTHWISE_CONV2D, FULLY_CONNECTED, MEAN) and AVG_POOL2D's window sum
+have one; the others return 0, and so do MEAN and AVG_POOL2D under
+``Rounding.ONNXRUNTIME``, which compute in float32.
 
 Products are summed with float64 matrix multiplies for speed: every term is an
 integer below 2**16 in magnitude, so partial sums stay exact while fewer than
@@ -26,7 +34,7 @@ from . import elementwise
 from .config import NpuConfig
 from .isa import (SCALE_BIAS_WORDS, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode, Pooling,
                   Reduction, Softmax, TableLookup, weight_shape)
-from .numerics import Rounding, requantize, requantize_float, wrap_signed
+from .numerics import Rounding, narrow_accumulator, requantize, requantize_float
 from .onnxruntime_numerics import ort_avg_pool, ort_mean
 from .softmax import softmax
 
@@ -46,11 +54,12 @@ def _rows(memory: np.ndarray, offset: int, rows: int, stride: int, row_bytes: in
                                            strides=(stride, 1), writeable=True)
 
 
-def run_dma(state: MachineState, opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> None:
+def run_dma(state: MachineState, opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> int:
     src = state.sram if dma.src_space == MemorySpace.SRAM else state.dram[dma.src_buffer]
     dst = state.sram if dma.dst_space == MemorySpace.SRAM else state.dram[dma.dst_buffer]
     data = _rows(src, dma.src_offset, dma.rows, dma.src_stride, dma.row_bytes).copy()
     _rows(dst, dma.dst_offset, dma.rows, dma.dst_stride, dma.row_bytes)[...] = data
+    return 0
 
 
 def _read(state: MachineState, address: int, shape: tuple[int, ...], dtype) -> np.ndarray:
@@ -102,12 +111,13 @@ DOUBLE_SCALE_ROUNDINGS = (Rounding.FLOAT64, Rounding.ONNXRUNTIME)
 """Modes whose scale/bias table holds a float64 scale per channel instead of (multiplier, shift)."""
 
 
-def _run_convolution(accumulate, state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
+def _run_convolution(accumulate, state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> int:
     weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8).astype(np.float64)
     table = _read(state, conv.scale_bias_address, (conv.ofm.channels, SCALE_BIAS_WORDS), np.int32)
     bias = table[:, 0].astype(np.int64)
-    acc = accumulate(_padded_input(state, conv), weights, conv).astype(np.int64) + bias
-    acc = wrap_signed(acc, config.accumulator_bits)
+    exact = accumulate(_padded_input(state, conv), weights, conv).astype(np.int64) + bias
+    # The adder tree is exact; the register of accumulator_bits receives bias + sum on write-back.
+    acc, overflows = narrow_accumulator(exact, config.accumulator_bits, config.accumulator_overflow)
     if conv.rounding in DOUBLE_SCALE_ROUNDINGS:
         scales = np.ascontiguousarray(table[:, 1:3]).view(np.float64).reshape(-1)
         out = requantize_float(acc, scales, conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
@@ -115,13 +125,14 @@ def _run_convolution(accumulate, state: MachineState, opcode: Opcode, conv: Conv
         out = requantize(acc, table[:, 1].astype(np.int64), table[:, 2].astype(np.int64),
                          conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
     state.sram[conv.ofm.address:conv.ofm.address + conv.ofm.size] = out.reshape(-1).view(np.uint8)
+    return overflows
 
 
 def mac_kernel(accumulate):
     """The kernel of a MAC-array opcode: its accumulation, then the shared output stage."""
 
-    def run(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> None:
-        _run_convolution(accumulate, state, opcode, conv, config)
+    def run(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> int:
+        return _run_convolution(accumulate, state, opcode, conv, config)
 
     run.__doc__ = accumulate.__doc__
     return run
@@ -140,32 +151,36 @@ def _write(state: MachineState, fmap: FeatureMap, values: np.ndarray) -> None:
     state.sram[fmap.address:fmap.address + fmap.size] = values.astype(np.int8).reshape(-1).view(np.uint8)
 
 
-def run_elementwise(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> None:
+def run_elementwise(state: MachineState, opcode: Opcode, op: Elementwise, config: NpuConfig) -> int:
     """ADD, SUB or MUL of two flat operands, as :mod:`simulator.elementwise` defines each."""
     out = elementwise.compute(opcode, _fmap(state, op.ifm).reshape(-1), _fmap(state, op.ifm2).reshape(-1), op)
     _write(state, op.ofm, out)
+    return 0
 
 
-def run_softmax(state: MachineState, opcode: Opcode, op: Softmax, config: NpuConfig) -> None:
+def run_softmax(state: MachineState, opcode: Opcode, op: Softmax, config: NpuConfig) -> int:
     """Every pixel's channels are one row of TFLite's softmax."""
     rows = _fmap(state, op.ifm).reshape(-1, op.ifm.channels)
     _write(state, op.ofm, softmax(rows, op.input_multiplier, op.input_left_shift, op.diff_min,
                                   op.output_zero_point))
+    return 0
 
 
-def run_mean(state: MachineState, opcode: Opcode, op: Reduction, config: NpuConfig) -> None:
+def run_mean(state: MachineState, opcode: Opcode, op: Reduction, config: NpuConfig) -> int:
     """TFLite ``QuantizedMeanOrSum``: int32 sum, minus zero point * count, one requantization;
-    ``Rounding.ONNXRUNTIME``: onnxruntime's float32 global average pool."""
+    ``Rounding.ONNXRUNTIME``: onnxruntime's float32 global average pool. The MAC array's accumulator
+    receives the centred sum of each channel (up to 255 * height * width in magnitude)."""
     ifm = _fmap(state, op.ifm)
     if op.rounding == Rounding.ONNXRUNTIME:
         _write(state, op.ofm, ort_mean(ifm, op.input_scale, op.input_zero_point, op.output_scale,
                                        op.output_zero_point, op.act_min, op.act_max))
-        return
+        return 0
     count = op.ifm.height * op.ifm.width
-    total = ifm.astype(np.int64).sum(axis=(0, 1)) - op.input_zero_point * count
-    total = wrap_signed(total, config.accumulator_bits)
+    exact = ifm.astype(np.int64).sum(axis=(0, 1)) - op.input_zero_point * count
+    total, overflows = narrow_accumulator(exact, config.accumulator_bits, config.accumulator_overflow)
     _write(state, op.ofm, requantize(total, op.multiplier, op.shift, op.output_zero_point, op.act_min,
                                      op.act_max, op.rounding))
+    return overflows
 
 
 def _pool_windows(values: np.ndarray, op: Pooling):
@@ -181,30 +196,35 @@ def _padded(values: np.ndarray, op: Pooling, fill) -> np.ndarray:
     return np.pad(values, pads, constant_values=fill)
 
 
-def run_max_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuConfig) -> None:
+def run_max_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuConfig) -> int:
     """TFLite reference int8 MaxPool: the largest input inside the image, then the clamp."""
     padded = _padded(_fmap(state, op.ifm).astype(np.int16), op, np.iinfo(np.int16).min)
     out = np.max(np.stack(list(_pool_windows(padded, op))), axis=0)
     _write(state, op.ofm, np.clip(out, op.act_min, op.act_max))
+    return 0
 
 
-def run_avg_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuConfig) -> None:
+def run_avg_pool(state: MachineState, opcode: Opcode, op: Pooling, config: NpuConfig) -> int:
     """TFLite reference int8 AveragePool: sum / count of inputs inside the image, rounded half
-    away from zero in integers, then the clamp; ``Rounding.ONNXRUNTIME``: onnxruntime's float32 average."""
+    away from zero in integers, then the clamp; ``Rounding.ONNXRUNTIME``: onnxruntime's float32 average.
+    The window sum (up to 128 * kernel_h * kernel_w in magnitude) is held in an accumulator register."""
     ifm = _fmap(state, op.ifm)
     if op.rounding == Rounding.ONNXRUNTIME:
         out = ort_avg_pool(ifm, (op.kernel_h, op.kernel_w), (op.stride_h, op.stride_w),
                            (op.pad_top, op.pad_left, op.pad_bottom, op.pad_right), op.input_scale,
                            op.input_zero_point, op.output_scale, op.output_zero_point, op.act_min, op.act_max)
         _write(state, op.ofm, out)
-        return
-    total = sum(w for w in _pool_windows(_padded(ifm.astype(np.int64), op, 0), op))
+        return 0
+    exact = sum(w for w in _pool_windows(_padded(ifm.astype(np.int64), op, 0), op))
+    total, overflows = narrow_accumulator(exact, config.accumulator_bits, config.accumulator_overflow)
     count = sum(w for w in _pool_windows(_padded(np.ones((*ifm.shape[:2], 1), np.int64), op, 0), op))
     half = count // 2
     average = np.where(total > 0, (total + half) // count, -((half - total) // count))
     _write(state, op.ofm, np.clip(average, op.act_min, op.act_max))
+    return overflows
 
 
-def run_lut(state: MachineState, opcode: Opcode, op: TableLookup, config: NpuConfig) -> None:
+def run_lut(state: MachineState, opcode: Opcode, op: TableLookup, config: NpuConfig) -> int:
     table = _read(state, op.table_address, (config.lut_entries,), np.int8)
     _write(state, op.ofm, table[_fmap(state, op.ifm).astype(np.int16) + 128])
+    return 0

@@ -1,7 +1,10 @@
 """Running a command stream: validate, load DRAM, execute, account.
 
 Every figure in the returned statistics is the cost of one executed command;
-totals are sums over them, never estimated separately.
+totals are sums over them, never estimated separately. So are accumulator
+overflows: each command reports how many of its output elements had an exact
+sum outside the accumulator's ``NpuConfig.accumulator_bits`` range (then wrapped
+or saturated as ``NpuConfig.accumulator_overflow`` says).
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ class CommandStats:
     macs: int
     dram_read_bytes: int
     dram_write_bytes: int
+    overflows: int = 0
+    """Output elements whose accumulator overflowed (0 for commands without one)."""
 
 
 @dataclass(frozen=True)
@@ -51,16 +56,27 @@ class RunStats:
     def total_dram_bytes(self) -> int:
         return sum(c.dram_read_bytes + c.dram_write_bytes for c in self.commands)
 
+    @property
+    def total_overflows(self) -> int:
+        return sum(c.overflows for c in self.commands)
+
     def per_layer(self) -> dict[str, dict[str, int]]:
         """Sum the commands of each layer (DMA included), in first-seen order."""
         layers: dict[str, dict[str, int]] = {}
         for c in self.commands:
-            row = layers.setdefault(c.layer, {"commands": 0, "cycles": 0, "macs": 0, "dram_bytes": 0})
+            row = layers.setdefault(c.layer, {"commands": 0, "cycles": 0, "macs": 0, "dram_bytes": 0,
+                                              "overflows": 0})
             row["commands"] += 1
             row["cycles"] += c.cycles
             row["macs"] += c.macs
             row["dram_bytes"] += c.dram_read_bytes + c.dram_write_bytes
+            row["overflows"] += c.overflows
         return layers
+
+
+def describe_overflows(count: int, config: NpuConfig) -> str:
+    """The report line for ``count`` overflows on ``config``: ``accumulator overflows: N (mode, B bits)``."""
+    return f"accumulator overflows: {count} ({config.accumulator_overflow}, {config.accumulator_bits} bits)"
 
 
 def _load_inputs(stream: CommandStream, inputs: Mapping[str, np.ndarray]) -> dict[int, np.ndarray]:
@@ -101,10 +117,10 @@ def run_stream(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],
     stats = []
     for index, command in enumerate(stream.commands):
         definition = opcode_def(command.opcode)
-        definition.execute(state, command.opcode, command.payload, config)
+        overflows = definition.execute(state, command.opcode, command.payload, config)
         cost = definition.cost(command.opcode, command.payload, config)
         stats.append(CommandStats(index, command.opcode, command.layer, cost.cycles, cost.macs,
-                                  cost.dram_read_bytes, cost.dram_write_bytes))
+                                  cost.dram_read_bytes, cost.dram_write_bytes, overflows))
     outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape(buf.shape).copy()
                for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
     return outputs, RunStats(stream.name, config, tuple(stats))

@@ -34,6 +34,10 @@ quantization_util.cc):
   onnxruntime's float32 FMA chain only where the exact value lies within about
   1e-5 of a step from a .5 tie (a few outputs per 100,000).
 
+Accumulators (:func:`narrow_accumulator`): the exact sum is written to a register of
+``NpuConfig.accumulator_bits``; a value outside its range *overflows* and is wrapped (two's
+complement, as TFLite's int32 accumulators do in practice) or saturated, as the configuration says.
+
 Floats appear only where the reference uses them: TFLite turning float32
 scales into a multiplier at preparation time, onnxruntime computing in float32.
 """
@@ -206,6 +210,36 @@ def wrap_signed(values: np.ndarray, bits: int) -> np.ndarray:
         return values
     half = np.int64(1) << np.int64(bits - 1)
     return ((values + half) & ((half << np.int64(1)) - 1)) - half
+
+
+def saturate_signed(values: np.ndarray, bits: int) -> np.ndarray:
+    """int64 values clamped to the range of a ``bits``-wide two's-complement register."""
+    return np.clip(np.asarray(values, dtype=np.int64), -(1 << (bits - 1)), (1 << (bits - 1)) - 1)
+
+
+ACCUMULATOR_OVERFLOWS = {"wrap": wrap_signed, "saturate": saturate_signed}
+"""What an accumulator register does with a value it cannot hold, by ``NpuConfig.accumulator_overflow``;
+the stream's ``AccumulatorOverflow`` enum names the same modes in upper case."""
+
+
+def narrow_accumulator(exact: np.ndarray, bits: int, overflow: str) -> tuple[np.ndarray, int]:
+    """The ``bits``-wide accumulator register written with ``exact`` values, and how many overflowed.
+
+    The adder tree feeding the register is exact; only the write-back narrows. An element overflows when
+    its exact value lies outside [-2**(bits-1), 2**(bits-1) - 1]. ``"wrap"`` keeps the low ``bits`` bits
+    (two's complement; the same as wrapping after every addition, since wrapping is a ring homomorphism),
+    ``"saturate"`` clamps to the register's range. Partial sums are never observable, so the order of
+    additions does not matter in either mode.
+    """
+    try:
+        narrow = ACCUMULATOR_OVERFLOWS[overflow]
+    except KeyError:
+        raise NumericsError(f"unknown accumulator overflow {overflow!r}; known: "
+                            f"{', '.join(ACCUMULATOR_OVERFLOWS)}") from None
+    exact = np.asarray(exact, dtype=np.int64)
+    low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    overflowed = int(np.count_nonzero((exact < low) | (exact > high)))
+    return narrow(exact, bits), overflowed
 
 
 def _check_multipliers(multiplier: np.ndarray, shift: np.ndarray) -> None:

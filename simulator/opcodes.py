@@ -40,7 +40,8 @@ class OpcodeDef:
     validate: Callable
     """(stream, config, opcode, payload, where) -> None, raising ``StreamError``."""
     execute: Callable
-    """(machine state, opcode, payload, config) -> None: the bit-exact kernel."""
+    """(machine state, opcode, payload, config) -> int: the bit-exact kernel; it returns how many output
+    elements overflowed their accumulator (0 for units without one)."""
     cost: Callable
     """(opcode, payload, config) -> :class:`simulator.cycles.CommandCost`."""
 

@@ -25,6 +25,7 @@ from dataclasses import fields
 import flatbuffers
 import numpy as np
 
+from ._generated import AccumulatorOverflow as fb_overflow
 from ._generated import Buffer as fb_buffer
 from ._generated import Command as fb_command
 from ._generated import CommandStream as fb_stream
@@ -41,7 +42,7 @@ from .config import NpuConfig, get_config
 from .errors import ConfigError, StreamError
 from .isa import (READABLE_MAJORS, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
                   FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
-from .numerics import Rounding
+from .numerics import ACCUMULATOR_OVERFLOWS, Rounding
 from .opcodes import opcode_def
 
 FILE_IDENTIFIER = b"NPUC"
@@ -55,6 +56,12 @@ _FMAP_FIELDS = ("address", "height", "width", "channels")
 _CONV_FIELDS = ("weights_address", "scale_bias_address", "kernel_h", "kernel_w", "stride_h",
                 "stride_w", "dilation_h", "dilation_w", "pad_top", "pad_left", "pad_bottom",
                 "pad_right", "input_zero_point", "output_zero_point", "act_min", "act_max", "rounding")
+
+
+OVERFLOW_CODES = {mode: getattr(fb_overflow.AccumulatorOverflow, mode.upper()) for mode in ACCUMULATOR_OVERFLOWS}
+"""``NpuConfig.accumulator_overflow`` -> the schema's ``AccumulatorOverflow`` value (format 2.1)."""
+OVERFLOW_SINCE = (2, 1)
+"""The format that added ``HardwareConfig.accumulator_overflow``; older streams mean ``"wrap"``."""
 
 
 def _camel(name: str) -> str:
@@ -158,11 +165,17 @@ def _encode_command(builder, command: Command) -> int:
 
 def _encode_hardware(builder, config: NpuConfig) -> int:
     strings = {"name": builder.CreateString(config.name), "fingerprint": builder.CreateString(config.fingerprint)}
-    return _add_table(builder, fb_hardware, "HardwareConfig", config.values(), strings)
+    values = config.values()
+    values["accumulator_overflow"] = OVERFLOW_CODES[values["accumulator_overflow"]]  # WRAP, the default, is not written
+    return _add_table(builder, fb_hardware, "HardwareConfig", values, strings)
 
 
 def encode_stream(stream: CommandStream) -> bytes:
     """Serialize a stream in the format of its ``version``; the inverse of :func:`decode_stream`."""
+    if tuple(stream.version) < OVERFLOW_SINCE and stream.config.accumulator_overflow != "wrap":
+        raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry accumulator_overflow "
+                          f"{stream.config.accumulator_overflow!r} (added in {OVERFLOW_SINCE[0]}.{OVERFLOW_SINCE[1]}); "
+                          f"its readers would wrap")
     builder = flatbuffers.Builder(1024)
     buffer_offsets = []
     for buf in stream.buffers:
@@ -232,13 +245,19 @@ def _decode_command(raw, index: int, total: int) -> Command:
 
 
 def _decode_hardware(root, version: tuple[int, int]) -> NpuConfig:
-    """The configuration a stream carries (1.3), or the preset an older stream names."""
+    """The configuration a stream carries (1.3), or the preset an older stream names; before 2.1 the
+    accumulators wrap (the field is absent and reads as WRAP)."""
     raw = root.Hardware()
     if raw is None:
         if version >= (1, 3):
             raise StreamError("stream carries no hardware configuration")
         return get_config(_text(root.Config()))
     values = {name: getattr(raw, _camel(name))() for name in NpuConfig.__dataclass_fields__ if name != "name"}
+    modes = {code: mode for mode, code in OVERFLOW_CODES.items()}
+    code = values["accumulator_overflow"]
+    if code not in modes or (version < OVERFLOW_SINCE and modes[code] != "wrap"):
+        raise StreamError(f"accumulator overflow {code} is not defined in format {version[0]}.{version[1]}")
+    values["accumulator_overflow"] = modes[code]
     try:
         config = NpuConfig(name=_text(raw.Name()), **values)
     except ConfigError as exc:

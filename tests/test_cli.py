@@ -106,7 +106,7 @@ def test_unknown_reference_and_model_type_are_one_line_errors(tmp_path, capsys):
     model.write_bytes(b"not a model")
     assert main(["partition", str(model)]) == 2
     assert capsys.readouterr().err.strip() == ("npu: error: model.pb: unknown model type '.pb' "
-                                               "(known: .tflite, .onnx)")
+                                               "(known: .tflite, .onnx, .npuq)")
     broken = tmp_path / "broken.onnx"
     broken.write_bytes(b"\x08\x07garbage")
     assert main(["partition", str(broken)]) == 2

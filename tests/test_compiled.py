@@ -73,7 +73,7 @@ def test_the_manifest_lists_the_regions_in_call_order(compiled):
     assert (first["outputs"][0]["scale"], first["outputs"][0]["zero_point"]) == (pytest.approx(0.1), -5)
     assert (second["inputs"][0]["scale"], second["inputs"][0]["zero_point"]) == (pytest.approx(1 / 256), -128)
     assert manifest["hardware"] == json.loads(npu_backend.get_config("npu-256").to_json())
-    assert manifest["format_version"] == [2, 0] and manifest["model"]["file"] == "two_regions.onnx"
+    assert manifest["format_version"] == [2, 1] and manifest["model"]["file"] == "two_regions.onnx"
 
 
 def test_a_fresh_process_runs_the_directory_exactly(compiled, tmp_path):

@@ -77,7 +77,7 @@ def test_a_stream_of_format_1_2_names_a_preset():
     ("sram_bytes", 1000, "sram_bytes 1000 is not a multiple of sram_align"),
     ("mac_rows", 0, "mac_rows must be positive"),
     ("mac_rows", 2.5, "mac_rows must be an integer"),
-    ("accumulator_bits", 12, r"accumulator_bits must be in \[16, 64\]"),
+    ("accumulator_bits", 12, r"accumulator_bits must be in \[14, 32\], got 12"),
     ("dram_bytes_per_cycle", float("inf"), "dram_bytes_per_cycle must be positive and finite"),
     ("lut_entries", -256, "lut_entries must be positive"),
 ])

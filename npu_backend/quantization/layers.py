@@ -96,7 +96,9 @@ class Layer:
     constants: dict = field(default_factory=dict)
     """Other constant operands quantized as int8 tensors (e.g. a constant addend), by Relax constant."""
     clamp: tuple[float, float] | None = None
-    """The fused activation's float range (ReLU: (0, inf), ReLU6: (0, 6))."""
+    """The fused activation's float range (ReLU: (0, inf), ReLU6: (0, 6)), emitted as ``relu`` or ``clip``."""
+    clamp_vars: list = field(default_factory=list)
+    """The float graph's bindings of that activation (not copied: the emitter writes the canonical one)."""
 
     @property
     def name(self) -> str:
@@ -139,16 +141,60 @@ def _fold(value, folded: dict):
         return np.reshape(data, [int(d) for d in value.ty.shape.values])
     if is_call(value, "relax.astype"):
         return data.astype(str(value.attrs.dtype))
+    if is_call(value, "relax.isnan"):
+        return np.asarray(np.isnan(data))
+    if is_call(value, "relax.where"):  # ONNX Clip's "absent bound" test, on constants
+        branches = [_constant(a, folded) for a in value.args[1:]]
+        if all(b is not None for b in branches):
+            return np.asarray(np.where(data, *branches))
     return None
 
 
-def _clamp_range(call) -> tuple[float, float] | None:
+def _clamp_range(call, folded: dict | None = None) -> tuple[float, float] | None:
     if is_call(call, "relax.nn.relu"):
         return (0.0, float("inf"))
     if is_call(call, "relax.clip"):
         lo, hi = (float(a.value) for a in call.args[1:3])
         return (lo, hi)
+    bound = _tir_bound(call, folded or {})
+    if bound is not None:
+        name, value = bound
+        return (value, float("inf")) if name == "maximum" else (float("-inf"), value)
     return None
+
+
+def _tir_bound(call, folded: dict):
+    """``call_tir(maximum|minimum, (x, scalar constant))``: ONNX Clip as TVM's importer lowers it."""
+    if not is_call(call, "relax.call_tir") or not isinstance(call.args[0], tvm.ir.GlobalVar):
+        return None
+    name = call.args[0].name_hint
+    operands = call.args[1]
+    if name not in ("maximum", "minimum") or not isinstance(operands, relax.Tuple) or len(operands.fields) != 2:
+        return None
+    bound = _constant(operands.fields[1], folded)
+    if bound is None or bound.size != 1:
+        return None
+    return name, float(bound.reshape(()))
+
+
+def _clamp(graph, var, folded) -> tuple[tuple[float, float], list] | None:
+    """The activation clamp following ``var`` (ReLU, clip, or ONNX's maximum then minimum), as a float range and
+    the vars of its bindings."""
+    user = graph.sole_user(var)
+    found = _clamp_range(graph.value.get(user), folded) if user is not None else None
+    if found is None:
+        return None
+    lo, hi = found
+    members = [user]
+    nxt = graph.sole_user(user)
+    more = _clamp_range(graph.value.get(nxt), folded) if nxt is not None else None
+    if more is not None and is_call(graph.value[user], "relax.call_tir") and is_call(graph.value[nxt],
+                                                                                      "relax.call_tir"):
+        lo, hi = max(lo, more[0]), min(hi, more[1])
+        members.append(nxt)
+    if lo == float("-inf"):
+        return None  # a bare minimum is no activation the NPU fuses
+    return (lo, hi), members
 
 
 class _Graph:
@@ -257,14 +303,14 @@ def cut_layers(func: relax.Function) -> tuple[list[Layer], dict]:
     graph = _Graph(func, folded)
     taken: set = set()
     layers: list[Layer] = []
+    for binding in graph.bindings:  # first, so that a layer's epilogue sees constants bound after its anchor
+        constant = _fold(binding.value, folded)
+        if constant is not None:
+            folded[binding.var] = constant
+            taken.add(binding.var)
     for binding in graph.bindings:
         var, value = binding.var, binding.value
         if var in taken:
-            continue
-        constant = _fold(value, folded)
-        if constant is not None:
-            folded[var] = constant
-            taken.add(var)
             continue
         if isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op):
             raise NpuError(f"quantize: {var.name} calls a function; quantize a module straight from an importer")
@@ -298,13 +344,13 @@ def cut_layers(func: relax.Function) -> tuple[list[Layer], dict]:
                 if kind.name in ("add", "subtract", "multiply") and not layer.inputs:
                     layer.kind = HOST
             if layer.kind.fuses_clamp:
-                user = graph.sole_user(layer.output)
-                clamp = _clamp_range(graph.value.get(user)) if user is not None else None
-                if clamp is not None:
-                    layer.clamp = clamp
-                    members.append(user)
-                    layer.output = user
+                found = _clamp(graph, layer.output, folded)
+                if found is not None:
+                    layer.clamp, layer.clamp_vars = found
+                    members.extend(layer.clamp_vars)
+                    layer.output = layer.clamp_vars[-1]
             layers.append(layer)
         taken.update(members)
-        layers[-1].bindings = [b for b in graph.bindings if b.var in set(members)]
+        clamped = set(layers[-1].clamp_vars)
+        layers[-1].bindings = [b for b in graph.bindings if b.var in set(members) and b.var not in clamped]
     return layers, folded

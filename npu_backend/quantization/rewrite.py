@@ -16,7 +16,6 @@ import numpy as np
 from tvm import relax
 from tvm.ir.expr import Constant
 
-from ..relax_exprs import is_call
 from .layers import HARD_SWISH, Alias, Layer, resolve
 
 
@@ -133,8 +132,11 @@ def emit_layer(bb: relax.BlockBuilder, layer: Layer, folded: dict, ops: Operands
             new = _substitute(value, layer, local, folded, ops, "operand")
         out = bb.emit(new)
         local[binding.var] = out
+    if layer.clamp is not None:
+        lo, hi = layer.clamp
+        out = bb.emit(relax.op.nn.relu(out) if (lo, hi) == (0.0, float("inf")) else relax.op.clip(out, lo, hi))
+        for var in layer.clamp_vars:
+            local[var] = out
     return out
 
 
-def is_relu_clamp(layer: Layer) -> bool:
-    return layer.clamp is not None and any(is_call(b.value, "relax.nn.relu") for b in layer.bindings)

@@ -154,7 +154,14 @@ class HardwareConfig(object):
             return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
         return 0
 
-def HardwareConfigStart(builder): builder.StartObject(18)
+    # HardwareConfig
+    def AccumulatorOverflow(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(40))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+def HardwareConfigStart(builder): builder.StartObject(19)
 def Start(builder):
     return HardwareConfigStart(builder)
 def HardwareConfigAddName(builder, name): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -211,6 +218,9 @@ def AddSramAlign(builder, sramAlign):
 def HardwareConfigAddLutEntries(builder, lutEntries): builder.PrependInt64Slot(17, lutEntries, 0)
 def AddLutEntries(builder, lutEntries):
     return HardwareConfigAddLutEntries(builder, lutEntries)
+def HardwareConfigAddAccumulatorOverflow(builder, accumulatorOverflow): builder.PrependUint8Slot(18, accumulatorOverflow, 0)
+def AddAccumulatorOverflow(builder, accumulatorOverflow):
+    return HardwareConfigAddAccumulatorOverflow(builder, accumulatorOverflow)
 def HardwareConfigEnd(builder): return builder.EndObject()
 def End(builder):
     return HardwareConfigEnd(builder)

@@ -1,0 +1,109 @@
+"""Quantizing trained float models (scikit-learn's digits, scripts/make_digits_fixtures.py) end to end:
+both source formats, every layer on the NPU, the NPU equal to the simulated quantization on real images,
+and the ``npu quantize`` file round trip."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import npu_backend
+from npu_backend import QConfig
+from npu_backend.cli import main as npu
+from npu_backend.quantization import calibrate
+from npu_backend.quantization.stored import load_quantized, save_quantized
+
+DIGITS = Path(__file__).parent / "fixtures" / "digits"
+SPLIT = np.load(DIGITS / "digits_split.npz")
+CALIBRATION, TEST, LABELS = SPLIT["calibration"], SPLIT["test"][:40], SPLIT["test_labels"][:40]
+EXPECTED_COMPOSITES = {
+    "cnn": {"npu.conv2d", "npu.max_pool2d", "npu.avg_pool2d", "npu.reshape", "npu.fully_connected"},
+    "mobilenet": {"npu.conv2d", "npu.depthwise_conv2d", "npu.hard_swish", "npu.mean", "npu.sigmoid",
+                  "npu.multiply", "npu.add", "npu.fully_connected"},
+}
+
+
+def _inputs(images, source):
+    return [np.ascontiguousarray(np.transpose(x, (2, 0, 1)))[None] if source == "onnx" else x[None] for x in images]
+
+
+@pytest.fixture(scope="module", params=[(m, s) for m in ("cnn", "mobilenet") for s in ("tflite", "onnx")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def quantized(request):
+    model, source = request.param
+    mod = npu_backend.load_model(DIGITS / f"{model}_float.{source}")
+    rounding = "tflite" if source == "tflite" else "onnxruntime"
+    return model, source, calibrate(mod, _inputs(CALIBRATION, source), QConfig(rounding=rounding))
+
+
+def test_every_operator_on_the_npu_and_equal_to_the_simulation(quantized):
+    model, source, calibrated = quantized
+    partitioned = npu_backend.partition_for_npu(calibrated.module)
+    report = npu_backend.partition_report(partitioned)
+    host = [o for o in report.host_ops if o.op not in ("relax.quantize", "relax.dequantize")]
+    assert host == [], [(o.op, o.reason) for o in host]
+    assert EXPECTED_COMPOSITES[model] <= {o.composite for o in report.npu_ops}
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    inputs = _inputs(TEST, source)
+    simulated = calibrated.simulate(inputs)
+    logits = []
+    for x, sim in zip(inputs, simulated):
+        out = vm["main"](tvm.runtime.tensor(x)).numpy()
+        np.testing.assert_array_equal(out, sim[0])
+        logits.append(out[0])
+    assert np.mean(np.argmax(logits, axis=1) == LABELS) > 0.8
+    assert calibrated.report.output_sqnr_db > 20.0
+
+
+def test_stored_file_round_trip(tmp_path):
+    model = DIGITS / "cnn_float.tflite"
+    calibrated = calibrate(npu_backend.load_model(model), _inputs(CALIBRATION[:20], "tflite"))
+    path = tmp_path / "cnn.npuq"
+    save_quantized(calibrated, model, path)
+    loaded = load_quantized(path)
+    tvm.ir.assert_structural_equal(loaded.module["main"], calibrated.module["main"])
+    assert loaded.report.to_json() == calibrated.report.to_json()
+    x = _inputs(TEST[:3], "tflite")
+    for a, b in zip(loaded.simulate(x), calibrated.simulate(x)):
+        np.testing.assert_array_equal(a[0], b[0])
+    tvm.ir.assert_structural_equal(npu_backend.load_model(path)["main"], calibrated.module["main"])
+
+
+def test_cli_quantize_then_run_partition_and_compile(tmp_path, capsys):
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, images=CALIBRATION[:20])
+    out = tmp_path / "cnn.npuq"
+    assert npu(["quantize", str(DIGITS / "cnn_float.tflite"), "--calibration", str(calib), "--method", "mse",
+                "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "conv2d_0" in printed and "output SQNR" in printed and str(out) in printed
+    assert npu(["run", str(out)]) == 0
+    assert "MATCH" in capsys.readouterr().out
+    assert npu(["partition", str(out)]) == 0
+    assert "on the NPU" in capsys.readouterr().out
+    assert npu(["compile", str(out), "-o", str(tmp_path / "compiled")]) == 0
+    assert npu(["sim", str(tmp_path / "compiled"), "--random-inputs"]) == 0
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "cannot read calibration data"),
+    ("shape", "has shape"),
+    ("quantized", "already quantizes"),
+    ("suffix", "written as a .npuq file"),
+])
+def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, message):
+    model = DIGITS / "cnn_float.tflite"
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, images=np.zeros((4, 9, 9, 1), np.float32) if case == "shape" else CALIBRATION[:4])
+    args = {"missing": [str(model), "--calibration", str(tmp_path / "nope.npz"), "-o", str(tmp_path / "q.npuq")],
+            "shape": [str(model), "--calibration", str(calib), "-o", str(tmp_path / "q.npuq")],
+            "quantized": [str(DIGITS / "cnn_tflite_ptq.tflite"), "--calibration", str(calib),
+                          "-o", str(tmp_path / "q.npuq")],
+            "suffix": [str(model), "--calibration", str(calib), "-o", str(tmp_path / "q.tflite")]}[case]
+    assert npu(["quantize", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("npu: error:") and message in err[0], err
