@@ -186,7 +186,7 @@ def test_an_already_quantized_model_is_refused(cnn):
     ("accumulator_bits", 13), ("accumulator_bits", 33), ("accumulator_overflow", "clip"),
     ("global_scale", 0.0), ("global_scale", math.inf), ("skip_layers", [0]), ("skip_layers", (-1,)),
     ("float_ops", ("sigmoid", 3)), ("fallback_budget_db", -1.0), ("bins", 8), ("preset", 3),
-    ("symmetric_activations", "yes"), ("power_of_two", None), ("avoid_overflow", 0),
+    ("symmetric_activations", "yes"), ("power_of_two", None), ("avoid_overflow", 0), ("bias_correction", 1),
 ])
 def test_every_invalid_config_value_names_its_field(field, value):
     with pytest.raises(NpuError, match=rf"QConfig\.{field}:"):
@@ -223,3 +223,16 @@ def test_narrow_accumulator_overflows_are_counted_and_avoidable():
     partitioned, outputs = _run_partitioned(fixed.module, data[:3])
     for got, sim in zip(outputs, fixed.simulate(data[:3])):
         np.testing.assert_array_equal(got, sim[0])
+
+
+def test_bias_correction_takes_back_the_mean_error_of_coarse_weights():
+    rng = np.random.default_rng(11)
+    w = rng.normal(0.05, 0.3, (64, 8)).astype(np.float32)
+    mod = float_dense_chain([w])
+    data = rng.random((32, 64)).astype(np.float32) + 0.5  # one-signed inputs: rounding errors add up, not cancel
+    config = QConfig(weight_bits=3, per_channel=False)
+    plain = calibrate(mod, data, config.replace(bias_correction=False))
+    corrected = calibrate(mod, data, config)
+    assert corrected.report.output_sqnr_db > plain.report.output_sqnr_db + 1.0
+    shift = corrected._plan.weights[0].bias.astype(np.int64) - plain._plan.weights[0].bias
+    assert np.any(shift != 0)

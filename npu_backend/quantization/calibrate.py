@@ -239,13 +239,15 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         stats = LayerStats()
         weight = layer.weight
         consts = [d for d in layer.constants.values()]
-        reference = []
+        reference, float_accumulators = [], []
         for n in range(len(samples)):
-            _, y = ctx.float.run(layer, [fvals[v][n] for v in layer.inputs], weight, layer.bias, consts)
+            acc, y = ctx.float.run(layer, [fvals[v][n] for v in layer.inputs], weight, layer.bias, consts)
             reference.append(y)
+            float_accumulators.append(acc)
         fvals[layer.output] = reference
         if ctx.quantized(layer, plan):
-            _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, len(samples))
+            _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, len(samples),
+                           float_accumulators)
             model_value = [dequantize_host(x, plan.tensors[layer.output]) for x in qvals[layer.output]]
         else:
             inputs = [value(v) for v in layer.inputs]
@@ -283,8 +285,22 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     return outputs, floats, layer_stats, records
 
 
+def _bias_shift(layer: Layer, float_accumulators: list, accumulators: list) -> np.ndarray:
+    """Per output channel, the mean of (float model's accumulator - quantized model's) over the calibration set:
+    the systematic error of the weights' rounding and of everything upstream, which a bias can take back."""
+    channels = layer.weight.shape[layer.weight_axis]
+    axis = _channel_axis(accumulators[0], channels)
+    total = np.zeros(channels)
+    count = 0
+    for ref, got in zip(float_accumulators, accumulators):
+        diff = np.moveaxis(ref.astype(np.float64) - got.astype(np.float64), axis, -1).reshape(-1, channels)
+        total += diff.sum(axis=0)
+        count += diff.shape[0]
+    return total / max(count, 1)
+
+
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, calibrating: bool,
-                   records: list, count: int) -> None:
+                   records: list, count: int, float_accumulators: list) -> None:
     config = ctx.config
     inputs_q = [plan.tensors[v] for v in layer.inputs]
     dq_inputs = [value(v) for v in layer.inputs]
@@ -303,6 +319,13 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
 
     if calibrating or wq is not None:
         accumulators, outputs = observe()
+        if calibrating and config.bias_correction and wq is not None and layer.bias is not None:
+            shift = _bias_shift(layer, float_accumulators, accumulators)
+            full = np.broadcast_to(wq.bias_scales, shift.shape).astype(np.float64)
+            corrected = np.clip(np.rint(wq.bias + shift / full), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+            wq = WeightQ(wq.weight, wq.scales, wq.axis, corrected, wq.bias_scales)
+            plan.weights[layer.index] = wq
+            accumulators, outputs = observe()
         if wq is not None:
             limit = 2 ** (config.accumulator_bits - 1) - 1
             peaks = _accumulator_peaks(layer, accumulators, inputs_q[0], wq)

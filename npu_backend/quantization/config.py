@@ -75,6 +75,10 @@ class QConfig:
         Automatic float fall-back: while the model's output SQNR is more than this many dB below what keeping
         everything in float... (see :func:`npu_backend.quantization.quantize`) layers, most sensitive first,
         are kept in float.
+    bias_correction : bool
+        Empirical bias correction: each biased layer's bias absorbs the mean difference, per output channel,
+        between the float model's accumulator and the quantized model's (weight rounding and upstream error)
+        over the calibration set.
     bins : int
         Histogram bins of the calibration statistics.
     preset : NpuConfig or str
@@ -95,6 +99,7 @@ class QConfig:
     skip_layers: tuple = ()
     float_ops: tuple = ()
     fallback_budget_db: float | None = None
+    bias_correction: bool = True
     bins: int = 2048
     preset: NpuConfig | str = DEFAULT_PRESET
 
@@ -104,7 +109,7 @@ class QConfig:
                f"{method!r} is neither one of {', '.join(METHOD_NAMES)} nor a callable")
         _check(isinstance(self.percentile, (int, float)) and 50.0 < self.percentile <= 100.0, "percentile",
                f"{self.percentile!r} is not in (50, 100]")
-        for name in ("per_channel", "symmetric_activations", "power_of_two", "avoid_overflow"):
+        for name in ("per_channel", "symmetric_activations", "power_of_two", "avoid_overflow", "bias_correction"):
             _check(isinstance(getattr(self, name), bool), name, f"{getattr(self, name)!r} is not a bool")
         _check(_is_int(self.weight_bits) and 2 <= self.weight_bits <= 8, "weight_bits",
                f"{self.weight_bits!r} is not an integer from 2 to 8")

@@ -312,8 +312,16 @@ def kl_range(stats: TensorStats, request: RangeRequest) -> tuple[float, float]:
     if stats.absmax == 0.0:
         return _finish(0.0, 0.0, request.symmetric)
     counts, edges = stats.abs_histogram()
+    # Exact zeros (half of a ReLU output) are exact on every grid: left in the first bin they dominate P, and
+    # merging that bin with its neighbours looks so costly that the coarse grids of wide thresholds always lose.
+    counts = counts.copy()
+    counts[0] -= min(int(counts[0]), int(stats.zeros))
+    if not counts.any():
+        return _finish(0.0, 0.0, request.symmetric)
     used = int(np.flatnonzero(counts)[-1]) + 1
-    levels = 2 ** (request.bits - 1)
+    # |x| spans all 2**bits levels when the tensor is one-signed (a ReLU output) and quantized asymmetrically
+    one_signed = not request.symmetric and (stats.min >= 0.0 or stats.max <= 0.0)
+    levels = 2 ** request.bits if one_signed else 2 ** (request.bits - 1)
     candidates = range(min(levels, used), used + 1)
     divergences = [_kl_divergence(counts, i, levels) for i in candidates]
     t = min(float(edges[candidates[int(np.argmin(divergences))]]), stats.absmax)
