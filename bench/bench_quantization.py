@@ -99,14 +99,14 @@ def npu_share(mod) -> str:
     return f"{len(inner) - len(host)}/{len(inner)}"
 
 
-def run_npu(qmod, images: np.ndarray, layout: str):
+def run_npu(calibrated, images: np.ndarray, layout: str):
     """Logits of a quantized module with its NPU regions on the simulator, and the profile's overflows."""
     import tvm
     from tvm import relax
 
     import npu_backend
 
-    partitioned = npu_backend.partition_for_npu(qmod)
+    partitioned = npu_backend.partition_for_npu(calibrated.module, calibrated.npu_config)
     vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
     logits = []
     with npu_backend.profile() as prof:
@@ -164,7 +164,7 @@ def main() -> int:
                 start = time.perf_counter()
                 calibrated = calibrate(mod, data, QConfig(calibration=method, rounding=rounding))
                 seconds = time.perf_counter() - start
-                logits, _ = run_npu(calibrated.module, test, layout)
+                logits, _ = run_npu(calibrated, test, layout)
                 simulated = np.stack([o[0][0] for o in calibrated.simulate(
                     [nchw(x)[None] if layout == "nchw" else x[None] for x in test])])
                 exact = int(np.sum(np.all(simulated == logits, axis=1)))
@@ -183,7 +183,7 @@ def main() -> int:
         sweeps += [("accumulator 14 bits, avoid overflow", QConfig(accumulator_bits=14, avoid_overflow=True))]
         for name, config in sweeps:
             calibrated = calibrate(mod, data, config)
-            logits, overflows = run_npu(calibrated.module, test, "nhwc")
+            logits, overflows = run_npu(calibrated, test, "nhwc")
             row(name, "tflite", logits, float_tfl, labels, str(overflows))
     return 0
 

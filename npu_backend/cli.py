@@ -132,10 +132,21 @@ def _random_tensor(tensor: dict, rng) -> np.ndarray:
     return ((q - tensor["zero_point"]).astype(np.float32) * np.float32(tensor["scale"])).astype(dtype)
 
 
+def _preset(args):
+    """The hardware to build for: --preset, else a quantized-model file's own (what it was calibrated on)."""
+    if args.preset is not None:
+        return args.preset
+    if Path(args.model).suffix.lower() == ".npuq":
+        from npu_backend.quantization.stored import stored_config
+
+        return stored_config(args.model)
+    return DEFAULT_PRESET
+
+
 def cmd_compile(args) -> int:
     from npu_backend.compiled import MANIFEST, write_compiled
 
-    manifest = write_compiled(args.model, args.output, args.preset, args.reference)
+    manifest = write_compiled(args.model, args.output, _preset(args), args.reference)
     out = Path(args.output)
     for region in manifest["regions"]:
         print(f"{out / region['file']}: {region['commands']} commands, inputs "
@@ -150,7 +161,7 @@ def cmd_partition(args) -> int:
     import npu_backend
 
     report = npu_backend.partition_report(npu_backend.partition_for_npu(npu_backend.load_model(args.model),
-                                                                          args.preset, args.reference))
+                                                                          _preset(args), args.reference))
     print(report.to_json() if args.json else report.format_table())
     return 0
 
@@ -231,7 +242,7 @@ def cmd_run(args) -> int:
     import npu_backend
 
     mod = npu_backend.load_model(args.model)
-    partitioned = npu_backend.partition_for_npu(mod, args.preset, args.reference)
+    partitioned = npu_backend.partition_for_npu(mod, _preset(args), args.reference)
     _print_placement(npu_backend.partition_report(partitioned))
     executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm")
     vm = relax.VirtualMachine(executable, tvm.cpu())
@@ -336,7 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="compile a .tflite or .onnx model, run it (NPU regions on the simulator), "
                                      "compare with its reference runtime")
     run.add_argument("model")
-    run.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
+    run.add_argument("--preset", help=PRESET_HELP + f" (default: {DEFAULT_PRESET}, or a .npuq file's own)")
     run.add_argument("--seed", type=int, default=0, help="seed of the random input")
     run.add_argument("--input", action="append", help="input .npy, one per model input, in order")
     run.add_argument("--no-reference", action="store_true", help="do not compare with the reference runtime")
@@ -344,11 +355,11 @@ def build_parser() -> argparse.ArgumentParser:
     comp = sub.add_parser("compile", help="write one .npucmd command stream per NPU region")
     comp.add_argument("model")
     comp.add_argument("-o", "--output", required=True, help="output directory")
-    comp.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
+    comp.add_argument("--preset", help=PRESET_HELP + f" (default: {DEFAULT_PRESET}, or a .npuq file's own)")
     comp.set_defaults(func=cmd_compile)
     part = sub.add_parser("partition", help="show where every operator runs (NPU or host) and why")
     part.add_argument("model")
-    part.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
+    part.add_argument("--preset", help=PRESET_HELP + f" (default: {DEFAULT_PRESET}, or a .npuq file's own)")
     part.add_argument("--json", action="store_true", help="machine-readable report")
     for command in (run, comp, part):
         command.add_argument("--reference", default="auto", choices=["auto", "tflite", "onnxruntime"],

@@ -107,3 +107,18 @@ def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, messag
     assert npu(["quantize", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("npu: error:") and message in err[0], err
+
+
+def test_cli_narrow_accumulator_model_runs_on_its_own_hardware_and_reports_overflows(tmp_path, capsys):
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, images=CALIBRATION[:10])
+    out = tmp_path / "narrow.npuq"
+    assert npu(["quantize", str(DIGITS / "cnn_float.tflite"), "--calibration", str(calib),
+                "--accumulator-bits", "14", "--overflow", "saturate", "-o", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "accumulators 14 bits (saturate)" in printed
+    overflowed = sum(layer.overflows for layer in load_quantized(out).report.layers)
+    assert overflowed > 0  # 14 bits cannot hold this CNN's sums: counted, never silent
+    assert npu(["run", str(out)]) == 0  # partitioned for the file's own 14-bit NPU, so equal to its simulation
+    printed = capsys.readouterr().out
+    assert "MATCH" in printed and "accumulator overflows:" in printed and "(saturate, 14 bits)" in printed

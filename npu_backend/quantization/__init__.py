@@ -159,6 +159,11 @@ class Calibrated:
     _ctx: Context
     _plan: Plan
 
+    @property
+    def npu_config(self) -> NpuConfig:
+        """The hardware calibration simulated (its accumulator width and overflow mode): partition for it."""
+        return self._ctx.npu
+
     def simulate(self, inputs) -> list[list[np.ndarray]]:
         """The quantized model's outputs on ``inputs`` (any form ``calibration_data`` takes), computed layer by
         layer with the NPU's integer arithmetic: what the partitioned module returns, bit for bit."""

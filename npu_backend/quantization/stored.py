@@ -118,6 +118,16 @@ def load_quantized(path: str | Path):
     return Calibrated(module, report, ctx, plan)
 
 
+def stored_config(path: str | Path) -> NpuConfig:
+    """The NPU a quantized-model file was calibrated for (read without importing the model)."""
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            meta = json.loads(z["meta"].tobytes())
+        return NpuConfig.from_json(json.dumps(meta["npu"]))
+    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError, EOFError) as exc:
+        raise ModelImportError(f"{Path(path).name}: not a quantized-model file ({exc})") from None
+
+
 def is_quantized_file(path: str | Path) -> bool:
     return Path(path).suffix.lower() == SUFFIX
 
