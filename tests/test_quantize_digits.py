@@ -122,3 +122,11 @@ def test_cli_narrow_accumulator_model_runs_on_its_own_hardware_and_reports_overf
     assert npu(["run", str(out)]) == 0  # partitioned for the file's own 14-bit NPU, so equal to its simulation
     printed = capsys.readouterr().out
     assert "MATCH" in printed and "accumulator overflows:" in printed and "(saturate, 14 bits)" in printed
+
+
+def test_a_file_that_is_not_a_quantized_model_is_one_error_line(tmp_path, capsys):
+    bad = tmp_path / "bad.npuq"
+    bad.write_bytes(b"not a zip")
+    assert npu(["run", str(bad)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("npu: error: bad.npuq: not a quantized-model file")

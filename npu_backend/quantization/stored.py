@@ -78,14 +78,7 @@ def load_quantized(path: str | Path):
     from ..frontend import load_model
 
     path = Path(path)
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            arrays = {k: z[k] for k in z.files}
-        meta = json.loads(arrays.pop("meta").tobytes())
-    except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError, EOFError) as exc:
-        raise ModelImportError(f"{path.name}: not a quantized-model file ({exc})") from None
-    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
-        raise ModelImportError(f"{path.name}: not a version-{VERSION} {FORMAT} file")
+    arrays, meta = _read(path)
     with tempfile.TemporaryDirectory() as tmp:
         model = Path(tmp) / f"float{meta['model_suffix']}"
         model.write_bytes(arrays.pop("model").tobytes())
@@ -118,14 +111,22 @@ def load_quantized(path: str | Path):
     return Calibrated(module, report, ctx, plan)
 
 
-def stored_config(path: str | Path) -> NpuConfig:
-    """The NPU a quantized-model file was calibrated for (read without importing the model)."""
+def _read(path: Path) -> tuple[dict, dict]:
     try:
         with np.load(path, allow_pickle=False) as z:
-            meta = json.loads(z["meta"].tobytes())
-        return NpuConfig.from_json(json.dumps(meta["npu"]))
+            arrays = {k: z[k] for k in z.files}
+        meta = json.loads(arrays.pop("meta").tobytes())
     except (OSError, ValueError, KeyError, zipfile.BadZipFile, json.JSONDecodeError, EOFError) as exc:
-        raise ModelImportError(f"{Path(path).name}: not a quantized-model file ({exc})") from None
+        raise ModelImportError(f"{path.name}: not a quantized-model file ({exc})") from None
+    if meta.get("format") != FORMAT or meta.get("version") != VERSION:
+        raise ModelImportError(f"{path.name}: not a version-{VERSION} {FORMAT} file")
+    return arrays, meta
+
+
+def stored_config(path: str | Path) -> NpuConfig:
+    """The NPU a quantized-model file was calibrated for (read without importing the model)."""
+    _, meta = _read(Path(path))
+    return NpuConfig.from_json(json.dumps(meta["npu"]))
 
 
 def is_quantized_file(path: str | Path) -> bool:
