@@ -288,29 +288,36 @@ def _calibration_data(path: str, names: list[str], key: str | None):
     return {n: arrays[n] for n in names}
 
 
-def _progress(total: int):
-    """A progress bar over layers when tqdm is installed (the ``progress`` extra), else a quiet callback."""
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return None, None
-    bar = tqdm(total=total, desc="calibrating", unit="layer", file=sys.stderr, disable=None)  # None: only on a tty
-    return bar, lambda layer: bar.update(1)
+class _ProgressBar:
+    """A tqdm bar over calibrated layers (the ``progress`` extra; only on a tty), opened by the first layer, so
+    input the quantizer refuses never leaves a bar behind its error line."""
+
+    def __init__(self):
+        self.bar = None
+
+    def __call__(self, done: int, total: int) -> None:
+        if self.bar is None:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                return
+            self.bar = tqdm(total=total, desc="calibrating", unit="layer", file=sys.stderr, disable=None)
+        self.bar.update(1)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
 
 
 def cmd_quantize(args) -> int:
     import npu_backend
-    from npu_backend.quantization import QConfig, calibrate, calibration_samples
-    from npu_backend.quantization.calibrate import check_float_module
-    from npu_backend.quantization.layers import cut_layers
+    from npu_backend.quantization import QConfig, calibrate
     from npu_backend.quantization.stored import SUFFIX, save_quantized
 
     if not str(args.output).endswith(SUFFIX):
         raise NpuError(f"the quantized model is written as a {SUFFIX} file: name -o accordingly")
     mod = npu_backend.load_model(args.model)
-    check_float_module(mod["main"])
     data = _calibration_data(args.calibration, [p.name for p in mod["main"].params], args.key)
-    calibration_samples(data, mod["main"].params)  # bad data is refused here, before a progress bar starts
     settings = dict(calibration=args.method, weight_bits=args.weight_bits, accumulator_bits=args.accumulator_bits,
                     accumulator_overflow=args.overflow, per_channel=not args.per_tensor,
                     symmetric_activations=args.symmetric, power_of_two=args.power_of_two,
@@ -321,12 +328,11 @@ def cmd_quantize(args) -> int:
     if args.percentile is not None:
         settings["percentile"] = args.percentile
     config = QConfig(**settings)
-    bar, progress = _progress(len(cut_layers(mod["main"])[0]))
+    progress = _ProgressBar()
     try:
         calibrated = calibrate(mod, data, config, progress)
     finally:
-        if bar is not None:
-            bar.close()
+        progress.close()
     save_quantized(calibrated, args.model, args.output)
     report = calibrated.report
     print(report.to_json() if args.json else report.to_table())

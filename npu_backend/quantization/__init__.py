@@ -87,9 +87,7 @@ def calibration_samples(calibration_data, params) -> list[tuple[np.ndarray, ...]
 
 def _npu_config(config: QConfig) -> NpuConfig:
     base = resolve_config(config.preset)
-    changes = {"accumulator_bits": config.accumulator_bits}
-    if hasattr(base, "accumulator_overflow"):
-        changes["accumulator_overflow"] = config.accumulator_overflow
+    changes = {"accumulator_bits": config.accumulator_bits, "accumulator_overflow": config.accumulator_overflow}
     if all(getattr(base, k) == v for k, v in changes.items()):
         return base
     suffix = "" if config.accumulator_overflow == "wrap" else "s"
@@ -168,7 +166,7 @@ class Calibrated:
         """The quantized model's outputs on ``inputs`` (any form ``calibration_data`` takes), computed layer by
         layer with the NPU's integer arithmetic: what the partitioned module returns, bit for bit."""
         samples = calibration_samples(inputs, self._ctx.func.params)
-        outputs, _, _, _ = walk(self._ctx, self._plan, samples, calibrating=False)
+        outputs, _, _, _ = walk(self._ctx, self._plan, samples, calibrating=False, reference=False)
         return outputs
 
 
@@ -208,7 +206,7 @@ def quantize(mod: tvm.IRModule, calibration_data, config: QConfig | None = None,
     config : QConfig, optional
         Methods, bit widths, hardware constraints and fall-back (defaults: :class:`QConfig`).
     progress : callable, optional
-        Called with each layer as it is calibrated (e.g. to advance a progress bar).
+        ``progress(done, total)`` after each layer is calibrated (e.g. to advance a progress bar).
 
     Returns
     -------

@@ -150,12 +150,21 @@ def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: P
     return TensorQ(float(scale), int(zp))
 
 
-def _quantize_with(w: np.ndarray, scales: np.ndarray, axis: int | None, bits: int) -> np.ndarray:
-    qmax = 2 ** (bits - 1) - 1
-    shape = [1] * w.ndim
+def _along(scales: np.ndarray, ndim: int, axis: int | None) -> np.ndarray:
+    """Per-channel scales shaped to broadcast along ``axis`` of an ``ndim`` tensor (one scale: a scalar)."""
+    shape = [1] * ndim
     if axis is not None and scales.size > 1:
         shape[axis] = scales.size
-    return np.clip(np.rint(w / scales.reshape(shape)), -qmax, qmax).astype(np.int8)
+    return scales.reshape(shape)
+
+
+def _int32(values: np.ndarray) -> np.ndarray:
+    return np.clip(np.rint(values), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+
+
+def _quantize_with(w: np.ndarray, scales: np.ndarray, axis: int | None, bits: int) -> np.ndarray:
+    qmax = 2 ** (bits - 1) - 1
+    return np.clip(np.rint(w / _along(scales, w.ndim, axis)), -qmax, qmax).astype(np.int8)
 
 
 def _weights(layer: Layer, config: QConfig, input_q: TensorQ, scales: np.ndarray | None = None) -> WeightQ:
@@ -170,16 +179,12 @@ def _weights(layer: Layer, config: QConfig, input_q: TensorQ, scales: np.ndarray
     if layer.bias is not None:
         bias_scales = (np.float32(input_q.scale) * scales).astype(np.float32)
         channels = layer.weight.shape[layer.weight_axis]
-        full = np.broadcast_to(bias_scales, (channels,))
-        bias = np.clip(np.rint(layer.bias / full), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
+        bias = _int32(layer.bias / np.broadcast_to(bias_scales, (channels,)))
     return WeightQ(q, scales, layer.weight_axis, bias, bias_scales)
 
 
 def _dequantized(wq: WeightQ) -> tuple[np.ndarray, np.ndarray | None]:
-    shape = [1] * wq.weight.ndim
-    if wq.scales.size > 1:
-        shape[wq.axis] = wq.scales.size
-    weight = wq.weight.astype(np.float32) * wq.scales.reshape(shape)
+    weight = wq.weight.astype(np.float32) * _along(wq.scales, wq.weight.ndim, wq.axis)
     bias = None if wq.bias is None else (wq.bias.astype(np.float32) * wq.bias_scales).astype(np.float32)
     return weight, bias
 
@@ -187,17 +192,17 @@ def _dequantized(wq: WeightQ) -> tuple[np.ndarray, np.ndarray | None]:
 def _accumulator_peaks(layer: Layer, accumulators: list[np.ndarray], input_q: TensorQ, wq: WeightQ) -> np.ndarray:
     """Per output channel, the largest |accumulator| the NPU's integer sum reaches (rounded from float)."""
     channels = layer.weight.shape[layer.weight_axis]
-    axis = _channel_axis(accumulators[0], channels)
     per = np.broadcast_to((np.float32(input_q.scale) * wq.scales).astype(np.float64), (channels,))
     peaks = np.zeros(channels)
     for acc in accumulators:
-        moved = np.moveaxis(acc.astype(np.float64), axis, -1).reshape(-1, channels)
-        peaks = np.maximum(peaks, np.max(np.abs(np.rint(moved / per)), axis=0))
+        peaks = np.maximum(peaks, np.max(np.abs(np.rint(_by_channel(acc, channels) / per)), axis=0))
     return peaks
 
 
-def _channel_axis(acc: np.ndarray, channels: int) -> int:
-    return acc.ndim - 1 if acc.shape[-1] == channels else 1
+def _by_channel(acc: np.ndarray, channels: int) -> np.ndarray:
+    """An accumulator as rows of ``channels`` values (NHWC or [N, C] keep channels last; NCHW has them at 1)."""
+    axis = acc.ndim - 1 if acc.shape[-1] == channels else 1
+    return np.moveaxis(acc.astype(np.float64), axis, -1).reshape(-1, channels)
 
 
 def _constants(layer: Layer) -> dict:
@@ -209,13 +214,14 @@ def _constants(layer: Layer) -> dict:
     return out
 
 
-def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress=None):
-    """Run every layer over every sample, choosing qparams on the way when ``calibrating``.
+def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress=None, reference: bool = True):
+    """Run every layer over every sample, choosing qparams on the way when ``calibrating`` (which needs the float
+    model's values: ``reference``; without it, only the quantized model's outputs are computed).
 
     Returns (the quantized model's outputs per sample, the float model's outputs per sample, per-layer
     statistics by index, tensor records).
     """
-    config = ctx.config
+    reference = reference or calibrating
     fvals: dict = {}
     qvals: dict = {}
     hvals: dict = {}
@@ -239,12 +245,12 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         stats = LayerStats()
         weight = layer.weight
         consts = [d for d in layer.constants.values()]
-        reference, float_accumulators = [], []
-        for n in range(len(samples)):
+        references, float_accumulators = [], []
+        for n in range(len(samples) if reference else 0):
             acc, y = ctx.float.run(layer, [fvals[v][n] for v in layer.inputs], weight, layer.bias, consts)
-            reference.append(y)
+            references.append(y)
             float_accumulators.append(acc)
-        fvals[layer.output] = reference
+        fvals[layer.output] = references
         if ctx.quantized(layer, plan):
             _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, len(samples),
                            float_accumulators)
@@ -260,7 +266,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                 qvals[layer.output] = [quantize_host(x, plan.tensors[layer.output]) for x in out]
             model_value = out
         energy = _Energy()
-        for ref, got in zip(reference, model_value):
+        for ref, got in zip(references, model_value):
             energy.add(ref, got)
         stats.sqnr_db = energy.db
         layer_stats[layer.index] = stats
@@ -269,7 +275,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                 for table in (fvals, qvals, hvals):
                     table.pop(v, None)
         if progress is not None:
-            progress(layer)
+            progress(layer.index + 1, len(ctx.layers))
     outputs, floats = [], []
     for n in range(len(samples)):
         outs, refs = [], []
@@ -279,7 +285,8 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                 outs.append(dequantize_host(qvals[var][n], plan.tensors[var]))
             else:
                 outs.append(hvals[var][n])
-            refs.append(fvals[var][n])
+            if reference:
+                refs.append(fvals[var][n])
         outputs.append(outs)
         floats.append(refs)
     return outputs, floats, layer_stats, records
@@ -289,69 +296,19 @@ def _bias_shift(layer: Layer, float_accumulators: list, accumulators: list) -> n
     """Per output channel, the mean of (float model's accumulator - quantized model's) over the calibration set:
     the systematic error of the weights' rounding and of everything upstream, which a bias can take back."""
     channels = layer.weight.shape[layer.weight_axis]
-    axis = _channel_axis(accumulators[0], channels)
-    total = np.zeros(channels)
-    count = 0
-    for ref, got in zip(float_accumulators, accumulators):
-        diff = np.moveaxis(ref.astype(np.float64) - got.astype(np.float64), axis, -1).reshape(-1, channels)
-        total += diff.sum(axis=0)
-        count += diff.shape[0]
-    return total / max(count, 1)
-
+    diffs = [_by_channel(ref, channels) - _by_channel(got, channels)
+             for ref, got in zip(float_accumulators, accumulators)]
+    return np.concatenate(diffs).mean(axis=0)
 
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, calibrating: bool,
                    records: list, count: int, float_accumulators: list) -> None:
-    config = ctx.config
-    inputs_q = [plan.tensors[v] for v in layer.inputs]
-    dq_inputs = [value(v) for v in layer.inputs]
     if calibrating:
-        plan.constants[layer.index] = _constants(layer)
-        if layer.weight is not None:
-            plan.weights[layer.index] = _weights(layer, config, inputs_q[0])
+        _calibrate_layer(ctx, layer, plan, stats, value, records, count, float_accumulators)
+    inputs_q = [plan.tensors[v] for v in layer.inputs]
     constants = plan.constants.get(layer.index, {})
-    dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
     wq = plan.weights.get(layer.index)
-
-    def observe():
-        w, b = _dequantized(wq) if wq is not None else (None, None)
-        results = [ctx.float.run(layer, [x[n] for x in dq_inputs], w, b, dq_consts) for n in range(count)]
-        return [r[0] for r in results], [r[1] for r in results]
-
-    if calibrating or wq is not None:
-        accumulators, outputs = observe()
-        if calibrating and config.bias_correction and wq is not None and layer.bias is not None:
-            shift = _bias_shift(layer, float_accumulators, accumulators)
-            full = np.broadcast_to(wq.bias_scales, shift.shape).astype(np.float64)
-            corrected = np.clip(np.rint(wq.bias + shift / full), -2 ** 31, 2 ** 31 - 1).astype(np.int32)
-            wq = WeightQ(wq.weight, wq.scales, wq.axis, corrected, wq.bias_scales)
-            plan.weights[layer.index] = wq
-            accumulators, outputs = observe()
-        if wq is not None:
-            limit = 2 ** (config.accumulator_bits - 1) - 1
-            peaks = _accumulator_peaks(layer, accumulators, inputs_q[0], wq)
-            if calibrating and config.avoid_overflow and peaks.max() > limit:
-                widened = np.zeros(peaks.shape, bool)
-                for _ in range(8):
-                    over = peaks > limit
-                    if not over.any():
-                        break
-                    widened |= over
-                    scales = np.broadcast_to(wq.scales, peaks.shape).astype(np.float64).copy()
-                    scales[over] *= peaks[over] / limit * 1.001
-                    scales = scales.astype(np.float32)
-                    if config.power_of_two:
-                        scales = (2.0 ** np.ceil(np.log2(scales))).astype(np.float32)
-                    wq = _weights(layer, config, inputs_q[0], scales)
-                    accumulators, outputs = observe()
-                    peaks = _accumulator_peaks(layer, accumulators, inputs_q[0], wq)
-                plan.weights[layer.index] = wq
-                stats.widened_channels = int(widened.sum())
-                stats.overflow_unfixable = bool(peaks.max() > limit)
-            stats.accumulator_peak = int(peaks.max())
-        if calibrating:
-            plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
     npu = ctx.npu_cache.get(layer.index)
-    if npu is None or npu.key != _key(layer, plan):
+    if npu is None or npu.key != _key(layer, plan) or npu.weights is not wq:
         npu = NpuLayer(layer, ctx.folded, inputs_q, plan.tensors[layer.output], wq, constants, ctx.source, ctx.npu)
         npu.key = _key(layer, plan)
         ctx.npu_cache[layer.index] = npu
@@ -364,8 +321,56 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
     qvals[layer.output] = outs
 
 
+def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, records: list, count: int,
+                     float_accumulators: list) -> None:
+    """Quantize the layer's weights and constants, observe it on its quantized inputs, correct its bias, fit its
+    accumulator and choose its output qparams: every decision about it, into ``plan``."""
+    config = ctx.config
+    input_q = plan.tensors[layer.inputs[0]]
+    constants = plan.constants[layer.index] = _constants(layer)
+    wq = _weights(layer, config, input_q) if layer.weight is not None else None
+    dq_inputs = [value(v) for v in layer.inputs]
+    dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
+
+    def observe():
+        w, b = _dequantized(wq) if wq is not None else (None, None)
+        results = [ctx.float.run(layer, [x[n] for x in dq_inputs], w, b, dq_consts) for n in range(count)]
+        return [r[0] for r in results], [r[1] for r in results]
+
+    accumulators, outputs = observe()
+    if wq is not None:
+        if config.bias_correction and layer.bias is not None:
+            shift = _bias_shift(layer, float_accumulators, accumulators)
+            corrected = _int32(wq.bias + shift / np.broadcast_to(wq.bias_scales, shift.shape).astype(np.float64))
+            wq = WeightQ(wq.weight, wq.scales, wq.axis, corrected, wq.bias_scales)
+            accumulators, outputs = observe()
+        peaks = _accumulator_peaks(layer, accumulators, input_q, wq)
+        limit = 2 ** (config.accumulator_bits - 1) - 1
+        if config.avoid_overflow and peaks.max() > limit:
+            widened = np.zeros(peaks.shape, bool)
+            for _ in range(8):  # each pass scales the overflowing channels' weights down by their excess
+                over = peaks > limit
+                if not over.any():
+                    break
+                widened |= over
+                scales = np.broadcast_to(wq.scales, peaks.shape).astype(np.float64).copy()
+                scales[over] *= peaks[over] / limit * 1.001
+                scales = scales.astype(np.float32)
+                if config.power_of_two:
+                    scales = (2.0 ** np.ceil(np.log2(scales))).astype(np.float32)
+                wq = _weights(layer, config, input_q, scales)
+                accumulators, outputs = observe()
+                peaks = _accumulator_peaks(layer, accumulators, input_q, wq)
+            stats.widened_channels = int(widened.sum())
+            stats.overflow_unfixable = bool(peaks.max() > limit)
+        stats.accumulator_peak = int(peaks.max())
+        plan.weights[layer.index] = wq
+    plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
+
+
 def _key(layer: Layer, plan: Plan) -> tuple:
-    return (tuple(plan.tensors[v] for v in layer.inputs), plan.tensors[layer.output], id(plan.weights.get(layer.index)))
+    """The qparams an :class:`NpuLayer` was built for (its weights are compared by identity apart)."""
+    return tuple(plan.tensors[v] for v in layer.inputs), plan.tensors[layer.output]
 
 
 def sqnr_db(references: list, values: list) -> float:

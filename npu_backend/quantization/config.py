@@ -72,9 +72,9 @@ class QConfig:
     float_ops : tuple of str
         Operator kinds kept in float everywhere (e.g. ``("sigmoid",)``; names as in the report).
     fallback_budget_db : float or None
-        Automatic float fall-back: while the model's output SQNR is more than this many dB below what keeping
-        everything in float... (see :func:`npu_backend.quantization.quantize`) layers, most sensitive first,
-        are kept in float.
+        Automatic float fall-back: a layer whose quantization costs the model's output more than this many dB
+        of SQNR (measured by calibrating again with it in float) stays in float on the host; costliest first,
+        each kept only if it still gains more than the budget.
     bias_correction : bool
         Empirical bias correction: each biased layer's bias absorbs the mean difference, per output channel,
         between the float model's accumulator and the quantized model's (weight rounding and upstream error)

@@ -126,8 +126,6 @@ def emit_layer(bb: relax.BlockBuilder, layer: Layer, folded: dict, ops: Operands
             roles = _roles(layer, position, value)
             args = [_substitute(a, layer, local, folded, ops, r) for a, r in zip(value.args, roles)]
             new = relax.Call(value.op, args, value.attrs, value.ty_args)
-        elif isinstance(value, relax.Tuple):
-            new = _substitute(value, layer, local, folded, ops, "operand")
         else:
             new = _substitute(value, layer, local, folded, ops, "operand")
         out = bb.emit(new)

@@ -50,7 +50,6 @@ class FloatLayers:
 
     def __init__(self, layers: list[Layer], folded: dict):
         bb = relax.BlockBuilder()
-        self.constants = {}
         for layer in layers:
             params = [_tensor_var(f"x{k}", _shape(v), "float32") for k, v in enumerate(layer.inputs)]
             env = dict(zip(layer.inputs, params))
@@ -63,7 +62,6 @@ class FloatLayers:
                     bias = _tensor_var("b", layer.bias_shape, "float32")
                     extra.append(bias)
             constants = {c: _tensor_var(f"c{k}", c.value.shape, "float32") for k, c in enumerate(layer.constants)}
-            self.constants[layer.index] = list(layer.constants)
             ops = Operands(activation=lambda v, env=env: env[v], weight=lambda w=weight: w,
                            bias=lambda shape, b=bias: b, constant=lambda c, cs=constants: cs[c])
             with bb.function(f"layer_{layer.index}", params + extra + list(constants.values())):
@@ -131,8 +129,9 @@ class NpuLayer:
         mod = bb.get().with_attr(SOURCE_ATTR, source)
         partitioned = partition_for_npu(mod, config)
         self.config = config
-        self.on_npu = not partition_report(partitioned).host_ops or all(
-            o.op in ("relax.quantize", "relax.dequantize") for o in partition_report(partitioned).host_ops)
+        self.weights = weights
+        self.on_npu = all(o.op in ("relax.quantize", "relax.dequantize")
+                          for o in partition_report(partitioned).host_ops)
         self.stream = None
         regions = npu_regions(partitioned)
         main = partitioned["main"]

@@ -128,7 +128,3 @@ def stored_config(path: str | Path) -> NpuConfig:
     _, meta = _read(Path(path))
     return NpuConfig.from_json(json.dumps(meta["npu"]))
 
-
-def is_quantized_file(path: str | Path) -> bool:
-    return Path(path).suffix.lower() == SUFFIX
-
