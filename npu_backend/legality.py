@@ -87,22 +87,28 @@ def _fixed_output(definition, p) -> str | None:
     return None
 
 
-def violation(definition, p: NpuParams, config: NpuConfig) -> str | None:
-    """Why ``p`` cannot run on ``config`` (the first reason), or ``None`` when it can.
+def check(definition, p: NpuParams, config: NpuConfig) -> tuple[str | None, object, object]:
+    """(why ``p`` cannot run on ``config``, or ``None``; its plan; its prepared values).
 
     ``definition`` is the operator's :class:`npu_backend.ops.OpDef`: its rules,
-    fixed output qparams, preparation and planner.
+    fixed output qparams, preparation and planner. The plan and preparation are
+    returned so that lowering uses the ones the check computed (None when refused).
     """
     for rule in definition.rules:
         reason = rule(p, config)
         if reason is not None:
-            return reason
+            return reason, None, None
     reason = _fixed_output(definition, p)
     if reason is not None:
-        return reason
+        return reason, None, None
     try:
-        definition.prepare(p)
-        definition.plan(p, config)
+        prepared = definition.prepare(p)
+        plan = definition.plan(p, config)
     except NpuError as exc:
-        return str(exc)
-    return None
+        return str(exc), None, None
+    return None, plan, prepared
+
+
+def violation(definition, p: NpuParams, config: NpuConfig) -> str | None:
+    """Why ``p`` cannot run on ``config`` (the first reason), or ``None`` when it can (see :func:`check`)."""
+    return check(definition, p, config)[0]

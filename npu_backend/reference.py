@@ -145,9 +145,6 @@ def choose_reference(mod: tvm.IRModule, requested: str = "auto") -> ReferenceCho
     return ReferenceChoice(Reference.TFLITE, f"default, {why}")
 
 
-def resolve_reference(mod: tvm.IRModule, requested: str = "auto") -> Reference:
-    """The reference to follow (see :func:`choose_reference`)."""
-    return choose_reference(mod, requested).reference
 
 
 def follow_reference(params, reference: Reference):

@@ -79,11 +79,10 @@ def arithmetic(opcode: Opcode) -> BinaryArithmetic:
 def elementwise_fields(opcode: Opcode, input_scale: float, input2_scale: float, output_scale: float,
                        rounding: Rounding) -> dict[str, int | float]:
     """Every arithmetic field of an :class:`Elementwise` payload, as the compiler must program it."""
+    arith = arithmetic(opcode)  # refuses an opcode that is not ADD, SUB or MUL, whatever the rounding
     if rounding == Rounding.ONNXRUNTIME:
-        arithmetic(opcode)
         return {**dict.fromkeys(FIXED_POINT_FIELDS, 0),
                 **dict(zip(SCALE_FIELDS, (input_scale, input2_scale, output_scale)))}
-    arith = arithmetic(opcode)
     m1, s1, m2, s2, mo, so = arith.prepare(input_scale, input2_scale, output_scale, rounding)
     return dict(input_multiplier=m1, input_shift=s1, input2_multiplier=m2, input2_shift=s2, output_multiplier=mo,
                 output_shift=so, left_shift=ADD_LEFT_SHIFT if arith.rescales_inputs else 0,

@@ -80,5 +80,4 @@ def opcode_def(opcode: Opcode) -> OpcodeDef:
         raise StreamError(f"opcode {getattr(opcode, 'name', opcode)} has no definition in the opcode table") from None
 
 
-PAYLOAD_SLOTS: dict[type, str] = {d.payload: d.slot for d in OPCODES.values()}
 """Payload type -> schema slot (several opcodes share a payload, never with different slots)."""

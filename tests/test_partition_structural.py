@@ -13,12 +13,12 @@ import re
 import numpy as np
 import tvm
 from tvm import relax
-from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
 
 import npu_backend
+from npu_backend.partition import _RenameGlobals
 from npu_backend.report import REPORT_ATTR, OpPlacement, PartitionReport
 from relax_idioms import ConvIdiom, f32, i32
 
@@ -98,16 +98,6 @@ def expected_conv_composite(source_vars: list[str]):
     return composite
 
 
-@mutator
-class _Rename(PyExprMutator):
-    def __init__(self, renames, mod):
-        super().__init__(mod)
-        self.renames = renames
-
-    def visit_global_var_(self, gvar):
-        return self.renames.get(gvar, gvar)
-
-
 def named(expected: tvm.IRModule, symbol: str) -> tvm.IRModule:
     """``expected`` with its function "region" renamed ``symbol`` (callers included)."""
     old = expected.get_global_var("region")
@@ -115,7 +105,7 @@ def named(expected: tvm.IRModule, symbol: str) -> tvm.IRModule:
     relax.expr._update_type(new, old.ty)
     out = tvm.IRModule({})
     for gvar, func in expected.functions_items():
-        out[new if gvar.same_as(old) else gvar] = _Rename({old: new}, expected).visit_expr(func)
+        out[new if gvar.same_as(old) else gvar] = _RenameGlobals({old: new}, expected).visit_expr(func)
     relax.analysis.well_formed(out)
     return out
 

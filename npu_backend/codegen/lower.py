@@ -15,7 +15,7 @@ from simulator.config import NpuConfig
 from simulator.isa import BufferKind, CommandStream
 
 from ..errors import UnsupportedOpError
-from ..legality import violation
+from ..legality import check
 from ..ops import decode_composite, op_def
 from ..params import OPERANDS_ATTR, NpuParams
 from .emit import StreamBuilder
@@ -27,10 +27,10 @@ CONFIG_ATTR = "npu.config"
 def lower_layer(sb: StreamBuilder, p: NpuParams, layer: str, sources: list, dst: int) -> None:
     """Append the commands of one layer; refuse a record its operator's rules reject on this hardware."""
     definition = op_def(p.op)
-    reason = violation(definition, p, sb.config)
+    reason, plan, prepared = check(definition, p, sb.config)
     if reason is not None:
         raise UnsupportedOpError(f"{layer} ({definition.composite}) cannot run on {sb.config.name}: {reason}")
-    definition.lower(sb, p, definition.plan(p, sb.config), definition.prepare(p), layer, sources, dst)
+    definition.lower(sb, p, plan, prepared, layer, sources, dst)
 
 
 def _shape_of(expr) -> tuple[int, ...]:
