@@ -1,18 +1,17 @@
-"""A compiled model on disk: its command streams, its model and a manifest that ties them together.
+"""A compiled model on disk: a shared library that runs it, its command streams and a manifest.
 
 ``npu compile`` writes, into one directory:
 
-* ``<symbol>.npucmd``: one command stream per NPU region (format 2: checksummed);
-* a copy of the model file, from which the host part is rebuilt (TVM 0.27 cannot serialize a Relax
-  module with constants: ``tvm.ir.save_json`` crashes on one);
-* ``manifest.json``: the model's inputs and outputs; the regions in call order, each stream's inputs and
-  outputs under their model-level tensor names with shapes, dtypes and qparams; the hardware
-  configuration; the numerics; the stream format; the SHA-256 of every file.
+* ``model.so``: the whole model (``Executable.export_library``): the host part compiled by TVM and every NPU
+  region's command stream embedded (:mod:`npu_backend.codegen.embed`). Any process with npu_backend
+  installed loads it with ``tvm.runtime.load_module`` and runs it; nothing is compiled again;
+* ``<symbol>.npucmd``: the same streams, one file per NPU region (format 2: checksummed), for ``npu sim``
+  and ``npu inspect``;
+* ``manifest.json``: the source model's name and SHA-256; the model's inputs and outputs; the regions in
+  call order, each stream's inputs and outputs under their model-level tensor names with shapes, dtypes
+  and qparams; the hardware configuration; the numerics; the stream format; the SHA-256 of every file.
 
-:func:`load_compiled` checks every file against the manifest, partitions the model again for the
-manifest's hardware and numerics, requires its regions to be exactly the manifest's (a region's symbol
-is a hash of its content and hardware), installs each stream from its file under that symbol (no region
-is lowered again) and builds the host part around them.
+:func:`load_compiled` checks every file against the manifest before it loads the library.
 """
 
 from __future__ import annotations
@@ -28,19 +27,17 @@ from tvm import relax
 from simulator.isa import FORMAT_VERSION, BufferKind
 from simulator.stream import encode_stream
 
-from simulator.config import NpuConfig
-
+from .codegen import STREAMS_OPTION
 from .codegen.lower import CONFIG_ATTR, lower_module
 from .errors import NpuError
 from .frontend import load_model
 from .partition import partition_for_npu
 from .qparams import infer_qparams, per_tensor_qparams
-from .reference import Reference
 from .relax_exprs import is_call
 from .report import partition_report
-from .runtime import install_stream
 
 MANIFEST = "manifest.json"
+LIBRARY = "model.so"
 
 
 def _sha256(data: bytes) -> str:
@@ -95,21 +92,21 @@ def _region_calls(partitioned: tvm.IRModule, symbols: set[str]):
 
 
 def write_compiled(model: str | Path, out: str | Path, preset="npu-256", reference: str = "auto") -> dict:
-    """Compile the model file for ``preset``; write its streams, a copy of it and the manifest into ``out``."""
+    """Compile the model file for ``preset``; write its library, its streams and the manifest into ``out``."""
     model, out = Path(model), Path(out)
     original = load_model(model)
     partitioned = partition_for_npu(original, preset, reference)
     out.mkdir(parents=True, exist_ok=True)
-    model_bytes = model.read_bytes()
-    (out / model.name).write_bytes(model_bytes)
     main = partitioned["main"]
     tensors = TensorTable(main)
     streams = lower_module(partitioned)
+    encoded = {symbol: encode_stream(stream) for symbol, stream in streams.items()}
     report = partition_report(partitioned)
+    generated = relax.transform.RunCodegen({"npu": {STREAMS_OPTION: encoded}})(partitioned)
+    tvm.compile(generated, target="llvm").export_library(str(out / LIBRARY))
     regions = []
     for symbol, args, results in _region_calls(partitioned, set(streams)):
-        stream = streams[symbol]
-        data = encode_stream(stream)
+        stream, data = streams[symbol], encoded[symbol]
         (out / f"{symbol}.npucmd").write_bytes(data)
         stream_inputs = [b.name for _, b in stream.buffers_of(BufferKind.INPUT)]
         stream_outputs = [b.name for _, b in stream.buffers_of(BufferKind.OUTPUT)]
@@ -122,7 +119,8 @@ def write_compiled(model: str | Path, out: str | Path, preset="npu-256", referen
     outputs = list(body.fields) if isinstance(body, relax.Tuple) else [body]
     manifest = {
         "format_version": list(FORMAT_VERSION),
-        "model": {"file": model.name, "sha256": _sha256(model_bytes)},
+        "model": {"file": model.name, "sha256": _sha256(model.read_bytes())},
+        "library": {"file": LIBRARY, "sha256": _sha256((out / LIBRARY).read_bytes())},
         "hardware": json.loads(_hardware_json(partitioned)),
         "numerics": report.numerics,
         "inputs": [tensors.describe(p) for p in main.params],
@@ -160,35 +158,22 @@ def read_manifest(directory: str | Path) -> dict:
         raise NpuError(f"cannot read {path}: {exc.strerror}") from None
     except ValueError as exc:
         raise NpuError(f"{path} is not valid JSON: {exc}") from None
-    missing = {"format_version", "model", "hardware", "numerics", "inputs", "outputs", "regions"} - set(manifest)
+    missing = {"format_version", "model", "library", "hardware", "numerics", "inputs", "outputs",
+               "regions"} - set(manifest)
     if missing:
         raise NpuError(f"{path} lacks {', '.join(sorted(missing))}")
     return manifest
 
 
-def load_compiled(directory: str | Path, target: str = "llvm"):
-    """(manifest, Relax VM) of a compiled directory: every file checked, every stream installed from its file."""
+def load_compiled(directory: str | Path):
+    """(manifest, Relax VM) of a compiled directory: every file checked against the manifest, the library loaded."""
     directory = Path(directory)
     manifest = read_manifest(directory)
-    model = directory / manifest["model"]["file"]
-    _read_checked(directory, manifest["model"])
-    try:
-        hardware = NpuConfig.from_mapping(manifest["hardware"], where=f"{MANIFEST} hardware")
-        reference = Reference(manifest["numerics"]).value
-    except (TypeError, ValueError) as exc:
-        raise NpuError(f"{MANIFEST}: {exc}") from None
-    partitioned = partition_for_npu(load_model(model), hardware, reference)
-    rebuilt = {str(f.attrs["global_symbol"]) for f in partitioned.functions.values()
-               if f.attrs is not None and f.attrs.get("Codegen") == "npu"}
-    listed = {region["symbol"] for region in manifest["regions"]}
-    if rebuilt != listed:
-        raise NpuError(f"the model's regions ({len(rebuilt)}) are not the manifest's ({len(listed)}): compiled by "
-                       "another npu_backend, or the files do not belong together")
     for region in manifest["regions"]:
-        data = _read_checked(directory, region)
-        install_stream(region["symbol"], data)
-    executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target=target)
-    return manifest, relax.VirtualMachine(executable, tvm.cpu())
+        _read_checked(directory, region)
+    _read_checked(directory, manifest["library"])
+    library = tvm.runtime.load_module(str(directory / manifest["library"]["file"]))
+    return manifest, relax.VirtualMachine(library, tvm.cpu())
 
 
 def run_compiled(directory: str | Path, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

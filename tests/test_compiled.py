@@ -16,6 +16,7 @@ from tvm import relax
 import npu_backend
 from conftest import FIXTURES
 from npu_backend.cli import main
+from simulator.isa import FORMAT_VERSION
 
 
 def _qdq(nodes, inits, name, scale, zero_point, src):
@@ -73,11 +74,13 @@ def test_the_manifest_lists_the_regions_in_call_order(compiled):
     assert (first["outputs"][0]["scale"], first["outputs"][0]["zero_point"]) == (pytest.approx(0.1), -5)
     assert (second["inputs"][0]["scale"], second["inputs"][0]["zero_point"]) == (pytest.approx(1 / 256), -128)
     assert manifest["hardware"] == json.loads(npu_backend.get_config("npu-256").to_json())
-    assert manifest["format_version"] == [2, 1] and manifest["model"]["file"] == "two_regions.onnx"
+    assert manifest["format_version"] == list(FORMAT_VERSION) and manifest["model"]["file"] == "two_regions.onnx"
+    assert manifest["library"]["file"] == "model.so" and not (out / "two_regions.onnx").exists()
 
 
 def test_a_fresh_process_runs_the_directory_exactly(compiled, tmp_path):
-    """npu sim DIR in a new process (streams from their files, nothing lowered) equals the in-process build."""
+    """npu sim DIR in a new process (the exported library: nothing lowered or compiled) equals the in-process
+    build."""
     model, out = compiled
     x = (np.random.default_rng(1).integers(-128, 128, (1, 4, 6, 6)) - 3).astype(np.float32) * np.float32(0.02)
     np.save(tmp_path / "x.npy", x)
@@ -107,7 +110,7 @@ def test_a_tflite_model_runs_from_its_directory_bit_exact(tmp_path, capsys):
     (lambda out: (out / next(p.name for p in out.glob("*.npucmd"))).write_bytes(b"NPUS" + b"\0" * 60),
      "does not match the manifest's SHA-256"),
     (lambda out: (out / "manifest.json").write_text("{"), "manifest.json is not valid JSON"),
-    (lambda out: (out / "two_regions.onnx").write_bytes(b"\0"), "two_regions.onnx does not match the manifest"),
+    (lambda out: (out / "model.so").write_bytes(b"\0"), "model.so does not match the manifest"),
 ])
 def test_a_damaged_directory_is_one_error_line(compiled, tmp_path, capsys, damage, message):
     import shutil

@@ -1,4 +1,4 @@
-"""The ``relax.ext.npu`` codegen: NPU regions -> command streams bound to runtime symbols.
+"""The ``relax.ext.npu`` codegen: NPU regions -> a runtime module carrying their command streams.
 
 Importing this package registers nothing; :func:`register_codegen` (called by
 ``import npu_backend``) does.
@@ -6,32 +6,38 @@ Importing this package registers nothing; :func:`register_codegen` (called by
 
 import tvm
 
+from tvm import relax
+
 from simulator.stream import encode_stream
 
-from ..runtime import install_stream, is_installed
+from ..runtime import register_driver
+from .embed import embed_streams
 from .lower import lower_module, lower_region, npu_regions
+
+STREAMS_OPTION = "streams"
+"""``RunCodegen({"npu": {"streams": {symbol: bytes}}})``: streams lowered before (``npu compile`` writes them
+to files and embeds the same bytes), used instead of lowering the region again."""
 
 
 def npu_codegen(functions, options, constant_names):
     """Called by ``relax.transform.RunCodegen`` with every ``Codegen="npu"`` function.
 
-    Each region becomes a serialized command stream installed under the
-    region's symbol, which the Relax VM calls through ``call_dps_packed``.
-    The symbol is derived from the region's content and hardware, so a region
-    whose stream is already installed (compiled before in this process, or
-    loaded from a compiled directory by :func:`npu_backend.compiled.load_compiled`)
-    is not lowered again. No TVM runtime module is produced: the streams run on
-    the simulator in this process (see README, "Deployment").
+    Returns one C source module (:mod:`npu_backend.codegen.embed`) with a function per region, named
+    by the region's global symbol, which the Relax VM calls through ``call_dps_packed``.
     """
+    given = dict(options[STREAMS_OPTION]) if options is not None and STREAMS_OPTION in options else {}
+    streams, tensors = {}, 0
     for func in functions:
         symbol = str(func.attrs["global_symbol"])
-        if not is_installed(symbol):
-            install_stream(symbol, encode_stream(lower_region(func, symbol)))
-    return []
+        streams[symbol] = bytes(given[symbol]) if symbol in given else encode_stream(lower_region(func, symbol))
+        result = func.body.body.ty
+        tensors = max(tensors, len(func.params) + (len(result.fields) if isinstance(result, relax.TupleType) else 1))
+    return [embed_streams(streams, tensors)] if streams else []
 
 
 def register_codegen() -> None:
     tvm.register_global_func("relax.ext.npu", npu_codegen, override=True)
+    register_driver()
 
 
-__all__ = ["npu_codegen", "register_codegen", "lower_module", "lower_region", "npu_regions"]
+__all__ = ["npu_codegen", "register_codegen", "lower_module", "lower_region", "npu_regions", "STREAMS_OPTION"]
