@@ -19,6 +19,7 @@ from tvm import relax
 from simulator.config import DEFAULT_PRESET, PRESETS, NpuConfig, get_config, load_config, register_preset
 
 from . import codegen
+from .distributed import Evaluation, Sweep, evaluate, sweep
 from .errors import InternalError, ModelImportError, NpuError, QParamError, UnsupportedOpError
 from .frontend import load_model, load_onnx, load_tflite
 from .ops import OPS
@@ -47,4 +48,5 @@ __all__ = [
     "load_tflite", "load_onnx", "load_model", "codegen", "NpuError", "InternalError", "ModelImportError", "QParamError",
     "UnsupportedOpError", "quantize", "calibrate", "QConfig", "QuantizationReport", "quantization_report",
     "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config", "load_config", "register_preset",
+    "evaluate", "Evaluation", "sweep", "Sweep",
 ]

@@ -1,4 +1,4 @@
-"""The ``npu`` command: run | compile | partition | quantize | inspect | sim.
+"""The ``npu`` command: run | compile | partition | quantize | inspect | sim | eval | sweep.
 
 ``inspect`` and ``sim`` import only the simulator (no TVM), so they start fast
 and work where only numpy and flatbuffers are installed. Every failure the
@@ -409,6 +409,9 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--seed", type=int, default=0)
     sim.add_argument("--output", help="write outputs to this .npz")
     sim.set_defaults(func=cmd_sim)
+    from npu_backend.distributed.commands import add_commands  # eval, sweep
+
+    add_commands(sub, PRESET_HELP)
     return parser
 
 

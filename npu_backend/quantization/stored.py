@@ -128,3 +128,8 @@ def stored_config(path: str | Path) -> NpuConfig:
     _, meta = _read(Path(path))
     return NpuConfig.from_json(json.dumps(meta["npu"]))
 
+
+def float_model_bytes(path: str | Path) -> tuple[bytes, str]:
+    """The float model a quantized-model file holds (its own bytes) and its file suffix (``.tflite``, ``.onnx``)."""
+    arrays, meta = _read(Path(path))
+    return arrays["model"].tobytes(), meta["model_suffix"]
