@@ -30,32 +30,8 @@ def load_tflite(path: str | Path) -> tvm.IRModule:
     model = tflite.Model.GetRootAsModel(data, 0)
     try:
         return mark_source(from_tflite(model, op_converter=NpuOperatorConverter), "tflite")
-    except Exception as exc:  # the importer raises assorted types; the user needs one line
-        try:
-            why = _int16_activations(model) or _last_line(exc)
-        except Exception:  # a truncated flatbuffer: the importer's own word is all there is
-            why = _last_line(exc)
-        raise ModelImportError(f"TVM's TFLite importer rejected {path.name}: {why}") from None
-
-
-def _int16_activations(model) -> str | None:
-    """What an int16x8 model (int16 activations, int8 weights) asks of the importer, which fails on it obscurely
-    (on the int64 bias its operators carry)."""
-    import tflite
-
-    graph = model.Subgraphs(0)
-    names = {v: k for k, v in vars(tflite.BuiltinOperator).items() if not k.startswith("_")}
-    ops = []
-    for i in range(graph.OperatorsLength()):
-        op = graph.Operators(i)
-        inputs = [op.Inputs(j) for j in range(op.InputsLength()) if op.Inputs(j) >= 0]
-        if any(graph.Tensors(t).Type() == tflite.TensorType.INT16 for t in inputs[:1]):
-            code = model.OperatorCodes(op.OpcodeIndex())
-            ops.append(names.get(max(code.BuiltinCode(), code.DeprecatedBuiltinCode()), "?"))
-    if not ops:
-        return None
-    return (f"int16 activations (16x8 quantization) of {', '.join(sorted(set(ops)))} are not supported by TVM's "
-            f"TFLite frontend")
+    except Exception as exc:  # the importer raises assorted types (16x8 refusals included); the user needs one line
+        raise ModelImportError(f"TVM's TFLite importer rejected {path.name}: {_last_line(exc)}") from None
 
 
 def _last_line(exc: Exception) -> str:

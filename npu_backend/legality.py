@@ -15,10 +15,11 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.config import NpuConfig
+from simulator.isa import ActivationType
 from simulator.numerics import Rounding
 
 from .errors import NpuError
-from .params import ConvParams, NpuParams, PoolParams
+from .params import ConvParams, NpuOp, NpuParams, PoolParams
 
 
 def kernel_fits(p: ConvParams, config: NpuConfig) -> str | None:
@@ -68,7 +69,36 @@ def tflite_kernel_only(p, config: NpuConfig) -> str | None:
     return None
 
 
-CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window)
+def tflite_integer_kernel(p, config: NpuConfig) -> str | None:
+    """Resize and batch matmul run TFLite's integer kernels; onnxruntime's float32 arithmetic is not reproduced."""
+    if p.rounding == Rounding.ONNXRUNTIME:
+        return (f"the NPU's {p.op.value} is TFLite's integer kernel; onnxruntime's float32 {p.op.value} of the "
+                f"dequantized input is not reproduced")
+    return None
+
+
+def resize_keeps_qparams(p, config: NpuConfig) -> str | None:
+    """TFLite's int8 bilinear resize interpolates the raw integers, so its output has its input's qparams."""
+    if (p.input_scale, p.input_zero_point) != (p.output_scale, p.output_zero_point):
+        return (f"TFLite's int8 RESIZE_BILINEAR interpolates the integers and keeps its input's qparams "
+                f"({p.input_scale:g}, {p.input_zero_point}), but the output's are ({p.output_scale:g}, "
+                f"{p.output_zero_point})")
+    return None
+
+
+def sixteen_by_eight(p: ConvParams, config: NpuConfig) -> str | None:
+    """int16 activations (TFLite's 16x8 mode) run as CONV2D only, with TFLite's int64 output stage."""
+    if p.activation_type == ActivationType.INT8:
+        return None
+    if p.op != NpuOp.CONV2D:
+        return f"int16 activations (16x8) run on the NPU as CONV2D only, not as {p.op.name}"
+    if p.rounding not in (Rounding.TFLITE_DOUBLE, Rounding.TFLITE_SINGLE):
+        return (f"{p.rounding.name} numerics are not implemented for int16: the NPU's 16x8 convolution requantizes "
+                f"as TFLite does (int64 MultiplyByQuantizedMultiplier)")
+    return None
+
+
+CONV_RULES = (kernel_fits, stride_fits, dilation_fits, padding_within_window, sixteen_by_eight)
 """Rules of conv2d, depthwise conv2d and fully connected (as a 1x1 layer)."""
 
 POOL_RULES = (pool_kernel_fits, stride_fits, padding_within_window, pool_requantization_supported)

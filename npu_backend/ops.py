@@ -26,11 +26,16 @@ from simulator.isa import Opcode
 
 from . import prepare, tiling
 from .codegen import emit
+from .codegen.batch_matmul import emit_batch_matmul
+from .codegen.resize import emit_resize_bilinear, emit_resize_nearest
 from .errors import UnsupportedOpError
-from .legality import CONV_RULES, POOL_RULES, tflite_kernel_only
-from .params import (ConcatParams, ConvParams, ElementwiseParams, LutParams, MeanParams, NpuOp, NpuParams, PadParams,
-                     PoolParams, ReshapeParams, SliceParams, SoftmaxParams, TransposeParams, from_attrs)
+from .legality import CONV_RULES, POOL_RULES, resize_keeps_qparams, tflite_integer_kernel, tflite_kernel_only
+from .params import (BatchMatMulParams, ConcatParams, ConvParams, ElementwiseParams, LutParams, MeanParams, NpuOp,
+                     NpuParams, PadParams, PoolParams, ReshapeParams, ResizeBilinearParams, ResizeNearestParams,
+                     SliceParams, SoftmaxParams, TransposeParams, from_attrs)
+from .patterns import batch_matmul as bmm
 from .patterns import builders as b
+from .patterns import resize as rs
 from .patterns import extract as x
 from .patterns.fixed_point import QPARAM_ROLES, extract_fixed_point, fixed_point_pattern
 from .patterns.table import PREFIX, Idiom
@@ -109,6 +114,9 @@ OPS: tuple[OpDef, ...] = (
          _idiom(fixed_point_pattern("relax.matmul"), extract_fixed_point(NpuOp.FULLY_CONNECTED), False,
                 qparam_roles=QPARAM_ROLES),
          _idiom(b.matmul_pattern, x.extract_fully_connected, True)),
+    OpDef(NpuOp.BATCH_MATMUL, BatchMatMulParams, (_idiom(bmm.batch_matmul_pattern, bmm.extract_batch_matmul, False),),
+          (tflite_integer_kernel,), tiling.plan_batch_matmul, prepare.batch_matmul_multiplier, emit_batch_matmul,
+          (Opcode.BATCH_MATMUL,)),
     _binary(NpuOp.ADD, Opcode.ADD, "relax.add"),
     _binary(NpuOp.SUBTRACT, Opcode.SUB, "relax.subtract"),
     _binary(NpuOp.MULTIPLY, Opcode.MUL, "relax.multiply"),
@@ -141,6 +149,12 @@ OPS: tuple[OpDef, ...] = (
     _mover(NpuOp.STRIDED_SLICE, SliceParams, b.strided_slice_pattern, x.extract_strided_slice, tiling.plan_slice,
            emit.emit_strided_slice),
     _mover(NpuOp.PAD, PadParams, b.pad_pattern, x.extract_pad, tiling.plan_pad, emit.emit_pad),
+    _mover(NpuOp.RESIZE_NEAREST, ResizeNearestParams, rs.nearest_pattern, rs.extract_resize_nearest,
+           tiling.plan_resize_nearest, emit_resize_nearest),
+    OpDef(NpuOp.RESIZE_BILINEAR, ResizeBilinearParams,
+          (_idiom(rs.bilinear_pattern, rs.extract_resize_bilinear, False),),
+          (tflite_integer_kernel, resize_keeps_qparams), tiling.plan_resize_bilinear, prepare.resize_bilinear_steps,
+          emit_resize_bilinear, (Opcode.RESIZE_BILINEAR,)),
     OpDef(NpuOp.CONCAT, ConcatParams,
           tuple(_idiom(b.concat_pattern(arity), x.extract_concat, False) for arity in range(2, MAX_CONCAT_INPUTS + 1)),
           (), tiling.plan_concat, prepare.nothing, emit.emit_concat, ()),

@@ -11,8 +11,10 @@ Attribute schema of ``npu.conv2d``, ``npu.depthwise_conv2d`` and
 ``npu.fully_connected``. The other composites use the same names for the
 fields they have (one name per fact across all records), plus
 ``npu.input2_scale`` / ``npu.input2_zero_point`` for the second operand of
-``npu.add``, ``npu.subtract`` and ``npu.multiply``, ``npu.beta`` for ``npu.softmax`` and ``npu.shape`` for elementwise shapes; qparam-transparent ops
-(pooling, reshape, pad, transpose, slices) carry ``npu.input_scale`` ... ``npu.output_zero_point``
+``npu.add``, ``npu.subtract``, ``npu.multiply`` and ``npu.batch_matmul`` (plus its ``npu.ifm2_shape`` and
+``npu.adj_y``), ``npu.beta`` for ``npu.softmax``, ``npu.align_corners`` / ``npu.half_pixel_centers`` for
+``npu.resize_bilinear`` and ``npu.shape`` for elementwise shapes; qparam-transparent ops
+(pooling, reshape, pad, transpose, slices, nearest resize) carry ``npu.input_scale`` ... ``npu.output_zero_point``
 where the graph determines them (the dataflow analysis of :mod:`npu_backend.qparams`; equal on both
 sides, since these operators cannot change them) and none where it does not. Every composite
 also carries ``npu.source_vars``, the bindings of the input graph it absorbed,
@@ -32,13 +34,15 @@ in its body, which says nothing about their roles.
 ``npu.weight_axis``        output-channel axis of ``npu.weights`` (always 0)
 ``npu.per_channel``        whether the source model quantized weights per channel
 ``npu.weights``            int8 tensor, canonical layout: [OC,KH,KW,IC] / [C,KH,KW] / [OC,IC]
-``npu.bias``               int32 tensor [OC] in the accumulator domain (scale = s_in * s_w)
+``npu.bias``               int32 tensor [OC] in the accumulator domain (scale = s_in * s_w; a 16x8 model's
+                           int64 bias, narrowed exactly by :mod:`npu_backend.tflite_import`)
 ``npu.output_scale``       float32 output scale
 ``npu.output_zero_point``  output zero point
 ``npu.clamp``              (qmin, qmax): the fused activation as an integer clamp
 ``npu.kernel`` ...         ``npu.strides``, ``npu.dilation``, ``npu.padding`` (top, left, bottom, right)
 ``npu.rounding``           requantization rounding (``TFLITE_DOUBLE``, ``TFLITE_SINGLE``, ``FLOAT64``,
                            ``ONNXRUNTIME``: see :mod:`npu_backend.reference`)
+``npu.activation_type``    ``INT8``, or ``INT16`` for TFLite's 16x8 convolution (int16 in and out)
 =========================  ===========================================================
 """
 
@@ -52,6 +56,7 @@ from typing import get_type_hints
 import numpy as np
 import tvm
 
+from simulator.isa import ActivationType
 from simulator.numerics import Rounding
 
 
@@ -80,6 +85,9 @@ class NpuOp(str, Enum):
     GELU = "gelu"
     GELU_TANH = "gelu_tanh"
     ELU = "elu"
+    RESIZE_NEAREST = "resize_nearest"
+    RESIZE_BILINEAR = "resize_bilinear"
+    BATCH_MATMUL = "batch_matmul"
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,9 @@ class ConvParams:
     padding: tuple[int, int, int, int] = (0, 0, 0, 0)
     rounding: Rounding = Rounding.TFLITE_DOUBLE
     weight_axis: int = 0
+    activation_type: ActivationType = ActivationType.INT8
+    """Element type of input and output: int8, or int16 in TFLite's 16x8 mode (int8 weights, zero points 0,
+    an int16 clamp, TFLite's int64 output stage; CONV2D only, :func:`npu_backend.legality.sixteen_by_eight`)."""
 
     @property
     def out_channels(self) -> int:
@@ -267,6 +278,66 @@ class SliceParams:
     """Step along each axis (positive)."""
 
 
+@dataclass(frozen=True)
+class ResizeNearestParams:
+    """A nearest-neighbour upscale of an int8 NHWC tensor by whole factors: every input pixel repeated
+    ``ofm / ifm`` times along height and width (TFLite RESIZE_NEAREST_NEIGHBOR's index map for such sizes,
+    with or without half-pixel centres). Bytes move by strided DMA; qparams unchanged."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    ofm_shape: tuple[int, ...]
+
+    @property
+    def factors(self) -> tuple[int, int]:
+        """(height, width) repetitions."""
+        return self.ofm_shape[1] // self.ifm_shape[1], self.ofm_shape[2] // self.ifm_shape[2]
+
+
+@dataclass(frozen=True)
+class ResizeBilinearParams:
+    """An int8 bilinear resize of an NHWC tensor (TFLite RESIZE_BILINEAR, its integer reference kernel): the
+    raw integers are interpolated, so the output must keep the input's qparams."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    ofm_shape: tuple[int, ...]
+    align_corners: bool
+    half_pixel_centers: bool
+    input_scale: float
+    input_zero_point: int
+    output_scale: float
+    output_zero_point: int
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+
+
+@dataclass(frozen=True)
+class BatchMatMulParams:
+    """The product of two int8 activations over their last two axes, batched over the rest (TFLite
+    BATCH_MATMUL): ``ifm`` [..., M, K] times ``ifm2`` [..., K, N] (or, with ``adj_y``, ``ifm2`` [..., N, K]
+    transposed), requantized per tensor."""
+
+    op: NpuOp
+    ifm_shape: tuple[int, ...]
+    ifm2_shape: tuple[int, ...]
+    ofm_shape: tuple[int, ...]
+    adj_y: bool
+    input_scale: float
+    input_zero_point: int
+    input2_scale: float
+    input2_zero_point: int
+    output_scale: float
+    output_zero_point: int
+    clamp: tuple[int, int] = (-128, 127)
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+
+    @property
+    def dims(self) -> tuple[int, int, int, int]:
+        """(batches, M, K, N)."""
+        *batch, rows, depth = self.ifm_shape
+        return math.prod(batch), rows, depth, self.ofm_shape[-1]
+
+
 OPERANDS_ATTR = "npu.operands"
 """Composite attribute: parameter indices in operand order (see the module docstring)."""
 
@@ -276,7 +347,8 @@ addend of a binary op and the third input of a concat; no pattern has both)."""
 
 
 NpuParams = (ConvParams | ElementwiseParams | MeanParams | PoolParams | ReshapeParams | LutParams | ConcatParams
-             | PadParams | SoftmaxParams | TransposeParams | SliceParams)
+             | PadParams | SoftmaxParams | TransposeParams | SliceParams | ResizeNearestParams | ResizeBilinearParams
+             | BatchMatMulParams)
 
 def to_attrs_value(value):
     """One field value as an attribute (float32 scales stay exact)."""

@@ -20,11 +20,13 @@ from collections.abc import Callable
 import numpy as np
 
 from simulator import numerics, onnxruntime_numerics, softmax, tables
+from simulator import resize as bilinear
 from simulator.elementwise import elementwise_fields
-from simulator.isa import Opcode
+from simulator.isa import ActivationType, Opcode
 
 from .errors import QParamError, UnsupportedOpError
 from .params import ConvParams, ElementwiseParams, LutParams, MeanParams, NpuOp, PoolParams, SoftmaxParams
+from .params import BatchMatMulParams, ResizeBilinearParams
 
 
 def conv_multipliers(p: ConvParams):
@@ -34,6 +36,8 @@ def conv_multipliers(p: ConvParams):
     float64 scale split into its two 32-bit halves, the layout the output
     stage reads in those modes.
     """
+    if p.activation_type == ActivationType.INT16:  # TFLite's 16x8 Prepare: the int8 multipliers, shift <= 7
+        return numerics.conv_multipliers_16x8(p.input_scale, p.weight_scales, p.output_scale)
     if p.rounding in (numerics.Rounding.FLOAT64, numerics.Rounding.ONNXRUNTIME):
         words = numerics.float_scales(p.input_scale, p.weight_scales, p.output_scale).view(np.int32)
         return words[0::2].copy(), words[1::2].copy()
@@ -150,3 +154,18 @@ def onnxruntime_function(function) -> TableFunction:
 
 def onnxruntime_leaky_relu(p: LutParams) -> np.ndarray:
     return onnxruntime_numerics.qdq_leaky_relu_table(*_qparams(p), p.alpha)
+
+
+def batch_matmul_multiplier(p: BatchMatMulParams) -> tuple[int, int]:
+    """(multiplier, shift) of TFLite's int8 BATCH_MATMUL (scales multiplied in float32, as FULLY_CONNECTED)."""
+    return numerics.batch_matmul_multiplier(p.input_scale, p.input2_scale, p.output_scale, p.rounding)
+
+
+def resize_bilinear_steps(p: ResizeBilinearParams) -> tuple[int, int, int, int]:
+    """(step_h, step_w, offset_h, offset_w) of the whole image: TFLite's 10-bit fixed-point positions."""
+    _, height, width, _ = p.ifm_shape
+    _, out_height, out_width, _ = p.ofm_shape
+    step_h = bilinear.bilinear_step(height, out_height, p.align_corners)
+    step_w = bilinear.bilinear_step(width, out_width, p.align_corners)
+    return (step_h, step_w, bilinear.bilinear_offset(step_h, p.half_pixel_centers),
+            bilinear.bilinear_offset(step_w, p.half_pixel_centers))

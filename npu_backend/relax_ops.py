@@ -33,7 +33,7 @@ RELAX_OPS: dict[str, RelaxOpFacts] = {
     "relax.clip": RelaxOpFacts(elementwise=True, keeps_qparams=True),
     **dict.fromkeys((
         "relax.reshape", "relax.squeeze", "relax.expand_dims", "relax.permute_dims", "relax.nn.max_pool2d",
-        "relax.strided_slice", "relax.nn.pad",
+        "relax.strided_slice", "relax.nn.pad", "relax.image.resize2d",
     ), _MOVES_DATA),
     **dict.fromkeys((
         "relax.nn.conv2d", "relax.matmul", "relax.mean", "relax.nn.avg_pool2d", "relax.nn.softmax", "relax.concat",

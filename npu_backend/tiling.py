@@ -23,12 +23,15 @@ import math
 from dataclasses import dataclass
 
 from simulator.config import NpuConfig
-from simulator.isa import SCALE_BIAS_WORDS, conv_output_size
+from simulator.isa import ACTIVATION_FORMATS, SCALE_BIAS_WORDS, conv_output_size
 from simulator.numerics import Rounding
+from simulator.resize import ONE, source_rows
 
 from .errors import UnsupportedOpError
 from .params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams,
                      PoolParams, ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
+from .params import BatchMatMulParams, ResizeBilinearParams, ResizeNearestParams
+from .prepare import resize_bilinear_steps
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class LayerGeometry:
     padding: tuple[int, int, int, int]
     depthwise: bool
     has_weights: bool = True
+    element_bytes: int = 1
+    """Bytes per input and output element: 1, or 2 for int16 activations (16x8)."""
 
     @classmethod
     def of(cls, p: ConvParams | PoolParams) -> "LayerGeometry":
@@ -62,7 +67,7 @@ class LayerGeometry:
         _, h, w, c = p.ifm_shape
         _, oh, ow, oc = p.ofm_shape
         return cls(h, w, c, oh, ow, oc, p.kernel, p.strides, p.dilation, p.padding,
-                   p.op == NpuOp.DEPTHWISE_CONV2D)
+                   p.op == NpuOp.DEPTHWISE_CONV2D, element_bytes=ACTIVATION_FORMATS[p.activation_type].dtype.itemsize)
 
     def input_rows(self, out_start: int, out_stop: int) -> tuple[int, int, int, int]:
         """(first input row, stop row, tile pad top, tile pad bottom) feeding output rows."""
@@ -111,7 +116,8 @@ def _layout(g: LayerGeometry, channels: int, rows: int, config: NpuConfig) -> Ti
     in_rows = (rows - 1) * g.strides[0] + g.dilation[0] * (g.kernel[0] - 1) + 1
     in_channels = channels // g.multiplier if g.depthwise else g.in_channels
     sizes = (g.weight_bytes(channels), g.scale_bias_bytes(channels),
-             min(in_rows, g.height) * g.width * in_channels, rows * g.out_width * channels)
+             min(in_rows, g.height) * g.width * in_channels * g.element_bytes,
+             rows * g.out_width * channels * g.element_bytes)
     addresses, cursor = [], 0
     for size in sizes:
         addresses.append(cursor)
@@ -296,3 +302,101 @@ def plan_slice(p: SliceParams, config: NpuConfig) -> int:
     if rows < 1:
         raise UnsupportedOpError(f"a {width * channels}-byte output row does not fit the {config.sram_bytes}-byte SRAM")
     return min(rows, p.ofm_shape[1])
+
+
+def plan_resize_nearest(p: ResizeNearestParams, config: NpuConfig) -> int:
+    """Input rows per stripe: each is widened in SRAM into a whole output row, which is then stored once per
+    vertical repeat (images of a batch stack: input row r feeds output rows r * f_h ... r * f_h + f_h - 1)."""
+    batch, height, _, channels = p.ifm_shape
+    out_row = p.ofm_shape[2] * channels
+    rows = config.sram_bytes // out_row
+    if rows < 1:
+        raise UnsupportedOpError(f"a {out_row}-byte upscaled row does not fit the {config.sram_bytes}-byte SRAM")
+    return min(rows, batch * height)
+
+
+@dataclass(frozen=True)
+class ResizePlan:
+    channel_tile: int
+    row_tile: int
+    """Output rows per tile."""
+    ifm_address: int
+    ofm_address: int
+
+
+def bilinear_input_rows(p: ResizeBilinearParams, steps: tuple, out_start: int, out_stop: int) -> tuple[int, int]:
+    """(first, stop) input rows that output rows ``out_start`` .. ``out_stop - 1`` read (positions grow with
+    the row, so the first row's lower and the last row's upper neighbour bound them)."""
+    step_h, _, offset_h, _ = steps
+    lo, hi = source_rows([out_start * step_h + offset_h, (out_stop - 1) * step_h + offset_h], p.ifm_shape[1])
+    return int(lo[0]), int(hi[1]) + 1
+
+
+def _bilinear_span(rows: int, step: int, height: int) -> int:
+    """Most input rows any ``rows`` consecutive outputs read: their positions span (rows - 1) * step, and
+    the rows around both ends add at most two."""
+    return min(height, -(-(rows - 1) * step // ONE) + 2)
+
+
+def plan_resize_bilinear(p: ResizeBilinearParams, config: NpuConfig) -> ResizePlan:
+    """Largest (channel tile, output row stripe) whose input rows (full width) and output rows fit in SRAM,
+    preferring all channels at once."""
+    _, height, width, channels = p.ifm_shape
+    _, out_height, out_width, _ = p.ofm_shape
+    step_h = resize_bilinear_steps(p)[0]
+    splits = 1
+    while True:
+        tile = math.ceil(channels / splits)
+        low, high, best = 1, out_height, None
+        while low <= high:  # SRAM use grows with rows: binary search the largest stripe
+            mid = (low + high) // 2
+            ofm_address = _align(_bilinear_span(mid, step_h, height) * width * tile, config)
+            if ofm_address + mid * out_width * tile <= config.sram_bytes:
+                best, low = ResizePlan(tile, mid, 0, ofm_address), mid + 1
+            else:
+                high = mid - 1
+        if best is not None:
+            return best
+        if tile == 1:
+            raise UnsupportedOpError(f"the input rows of one output row of one channel and that row need more "
+                                     f"than the {config.sram_bytes}-byte SRAM, so the resize cannot be tiled")
+        splits *= 2
+
+
+@dataclass(frozen=True)
+class MatMulPlan:
+    batches: int
+    """Batches per tile: several whole ones, or one split into row stripes of the left operand."""
+    rows: int
+    """Rows of the left operand (and of the output) per tile."""
+    ifm_address: int
+    ifm2_address: int
+    ofm_address: int
+
+
+def _matmul_layout(p: BatchMatMulParams, batches: int, rows: int, config: NpuConfig) -> tuple[MatMulPlan, int]:
+    _, _, depth, columns = p.dims
+    addresses, cursor = [], 0
+    for size in (batches * rows * depth, batches * depth * columns, batches * rows * columns):
+        addresses.append(cursor)
+        cursor = _align(cursor + size, config)
+    return MatMulPlan(batches, rows, *addresses), cursor
+
+
+def plan_batch_matmul(p: BatchMatMulParams, config: NpuConfig) -> MatMulPlan:
+    """Most whole batches (both operands and the output) that fit in SRAM; else one batch's right operand
+    whole with the most rows of the left operand beside it. Raises when one row does not fit."""
+    batches, rows, _, _ = p.dims
+
+    def fits(tile_batches: int, tile_rows: int) -> bool:
+        return _matmul_layout(p, tile_batches, tile_rows, config)[1] <= config.sram_bytes
+
+    if fits(1, rows):
+        most = max(b for b in range(1, batches + 1) if fits(b, rows))
+        return _matmul_layout(p, most, rows, config)[0]
+    stripe = max((r for r in range(1, rows) if fits(1, r)), default=0)
+    if stripe < 1:
+        _, _, depth, columns = p.dims
+        raise UnsupportedOpError(f"one batch's {depth}x{columns} right operand, a row of the left operand and a "
+                                 f"row of the output need more than the {config.sram_bytes}-byte SRAM")
+    return _matmul_layout(p, 1, stripe, config)[0]

@@ -7,7 +7,7 @@ hardware team can run streams without the compiler.
 
 from .config import DEFAULT_PRESET, PRESETS, NpuConfig, get_config, load_config, register_preset, resolve_config
 from .errors import ConfigError, ExecutionError, NpuError, NumericsError, StreamError
-from .isa import (FORMAT_VERSION, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy,
+from .isa import (FORMAT_VERSION, ActivationType, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy,
                   FeatureMap, MemorySpace, Opcode)
 from .machine import CommandStats, RunStats, run_stream
 from .opcodes import OPCODES, OpcodeDef, Unit, opcode_def
@@ -17,7 +17,7 @@ from .validate import validate_stream
 
 __all__ = [
     "DEFAULT_PRESET", "PRESETS", "NpuConfig", "get_config", "load_config", "register_preset", "resolve_config", "ConfigError", "ExecutionError",
-    "NpuError", "NumericsError", "StreamError", "FORMAT_VERSION", "Buffer", "BufferKind", "Command",
+    "NpuError", "NumericsError", "StreamError", "FORMAT_VERSION", "ActivationType", "Buffer", "BufferKind", "Command",
     "CommandStream", "Convolution", "DmaCopy", "FeatureMap", "MemorySpace", "Opcode", "CommandStats",
     "RunStats", "run_stream", "OPCODES", "OpcodeDef", "Unit", "opcode_def", "Rounding", "decode_stream", "encode_stream", "validate_stream",
 ]

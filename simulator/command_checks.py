@@ -15,9 +15,11 @@ import numpy as np
 from .config import NpuConfig
 from .elementwise import unused_fields
 from .errors import StreamError
-from .isa import (SCALE_BIAS_WORDS, BufferKind, CommandStream, Convolution, DmaCopy, Elementwise, FeatureMap,
-                  MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup, conv_output_size, weight_shape)
-from .numerics import Rounding
+from .isa import (SCALE_BIAS_WORDS, ActivationType, BufferKind, CommandStream, Convolution, DmaCopy, Elementwise,
+                  FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax, TableLookup,
+                  conv_output_size, weight_shape)
+from .numerics import INT32_MAX, Rounding
+from .resize import ONE, ROUNDINGS
 
 
 def _extent(offset: int, rows: int, stride: int, row_bytes: int) -> int:
@@ -64,11 +66,7 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
         raise StreamError(f"{where}: dilation {conv.dilation} outside 1..{config.max_dilation}")
     if any(p < 0 for p in conv.padding):
         raise StreamError(f"{where}: negative padding {conv.padding}")
-    for name, value in (("input_zero_point", conv.input_zero_point),
-                        ("output_zero_point", conv.output_zero_point),
-                        ("act_min", conv.act_min), ("act_max", conv.act_max)):
-        if not -128 <= value <= 127:
-            raise StreamError(f"{where}: {name} {value} is outside int8")
+    _check_conv_quantization(where, conv)
     if conv.act_min > conv.act_max:
         raise StreamError(f"{where}: act_min {conv.act_min} > act_max {conv.act_max}")
     pt, pl, pb, pr = conv.padding
@@ -83,8 +81,8 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
     if opcode == Opcode.FULLY_CONNECTED and (conv.kernel, conv.stride, conv.padding, conv.ifm.width) != (
             (1, 1), (1, 1), (0, 0, 0, 0), 1):
         raise StreamError(f"{where}: fully connected takes an Nx1 ifm, 1x1 kernel, no stride or padding")
-    regions = {"ifm": (conv.ifm.address, conv.ifm.size),
-               "ofm": (conv.ofm.address, conv.ofm.size),
+    regions = {"ifm": (conv.ifm.address, conv.ifm.nbytes),
+               "ofm": (conv.ofm.address, conv.ofm.nbytes),
                "weights": (conv.weights_address, int(np.prod(weight_shape(opcode, conv)))),
                "scale_bias": (conv.scale_bias_address, conv.ofm.channels * SCALE_BIAS_WORDS * 4)}
     for name, (start, size) in regions.items():
@@ -97,6 +95,34 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
         start, size = regions[name]
         if start < ofm_start + ofm_size and ofm_start < start + size:
             raise StreamError(f"{where}: ofm overlaps {name} in SRAM")
+
+
+SIXTEEN_BY_EIGHT_ROUNDINGS = (Rounding.TFLITE_DOUBLE, Rounding.TFLITE_SINGLE)
+"""Roundings a 16x8 convolution may name: both mean TFLite's int64 output stage (its builds share it)."""
+
+
+def _check_conv_quantization(where: str, conv: Convolution) -> None:
+    """int8: zero points and clamp within int8. 16x8 (INT16 maps): int16 in and out, zero points 0 (TFLite's
+    16x8 quantization is symmetric and its kernel adds no offsets), clamp within int16, a TFLite rounding."""
+    if conv.ifm.dtype != conv.ofm.dtype:
+        raise StreamError(f"{where}: ifm holds {conv.ifm.dtype.name} and ofm {conv.ofm.dtype.name}; a "
+                          f"convolution keeps its element type")
+    if conv.ifm.dtype == ActivationType.INT16:
+        if conv.input_zero_point or conv.output_zero_point:
+            raise StreamError(f"{where}: 16x8 zero points must be 0, got input {conv.input_zero_point} and output "
+                              f"{conv.output_zero_point}")
+        if conv.rounding not in SIXTEEN_BY_EIGHT_ROUNDINGS:
+            raise StreamError(f"{where}: 16x8 requantizes with TFLite's int64 output stage; rounding "
+                              f"{conv.rounding.name} does not exist for it")
+        for name, fmap in (("ifm", conv.ifm), ("ofm", conv.ofm)):
+            if fmap.address % 2:
+                raise StreamError(f"{where}: INT16 {name} at SRAM byte {fmap.address} is not 2-byte aligned")
+    info = np.iinfo(conv.ofm.numpy_dtype)
+    for name, value in (("input_zero_point", conv.input_zero_point),
+                        ("output_zero_point", conv.output_zero_point),
+                        ("act_min", conv.act_min), ("act_max", conv.act_max)):
+        if not info.min <= value <= info.max:
+            raise StreamError(f"{where}: {name} {value} is outside {info.dtype}")
 
 
 def _check_int8(where: str, **values: int) -> None:
@@ -114,10 +140,11 @@ def _check_regions(config: NpuConfig, where: str, reads: dict[str, FeatureMap], 
     for name, fmap in {**reads, "ofm": ofm}.items():
         if min(fmap.height, fmap.width, fmap.channels) < 1:
             raise StreamError(f"{where}: {name} dimensions must be positive")
-        if fmap.address + fmap.size > config.sram_bytes:
-            raise StreamError(f"{where}: {name} ends at SRAM byte {fmap.address + fmap.size}, past {config.sram_bytes}")
+        if fmap.address + fmap.nbytes > config.sram_bytes:
+            raise StreamError(f"{where}: {name} ends at SRAM byte {fmap.address + fmap.nbytes}, past "
+                              f"{config.sram_bytes}")
     for name, fmap in reads.items():
-        if fmap.address < ofm.address + ofm.size and ofm.address < fmap.address + fmap.size:
+        if fmap.address < ofm.address + ofm.nbytes and ofm.address < fmap.address + fmap.nbytes:
             raise StreamError(f"{where}: ofm overlaps {name} in SRAM")
 
 
@@ -229,3 +256,47 @@ def check_softmax(stream: CommandStream, config: NpuConfig, opcode: Opcode, op: 
     if min(-op.diff_min, 255) << op.input_left_shift > 1 << 31:
         raise StreamError(f"{where}: softmax diff_min {op.diff_min} shifted left by {op.input_left_shift} "
                           f"overflows int32")
+
+
+def _check_rounding(where: str, rounding: Rounding) -> None:
+    if rounding not in ROUNDINGS:
+        raise StreamError(f"{where}: rounding {rounding.name} is not one of TFLite's fixed-point builds "
+                          f"({', '.join(r.name for r in ROUNDINGS)})")
+
+
+def check_resize(stream: CommandStream, config: NpuConfig, opcode: Opcode, op: Resize, where: str) -> None:
+    """Every position sampled lies in the tile: the first above -1 pixel (TFLite's lowest is -1/2), the last
+    one's lower row inside the ifm, and every position plus one pixel within int32."""
+    _check_regions(config, where, {"ifm": op.ifm}, op.ofm)
+    if op.ofm.channels != op.ifm.channels:
+        raise StreamError(f"{where}: resize ofm has {op.ofm.channels} channels, the ifm {op.ifm.channels}")
+    _check_rounding(where, op.rounding)
+    for axis, step, offset, out_size, in_size in (("h", op.step_h, op.offset_h, op.ofm.height, op.ifm.height),
+                                                  ("w", op.step_w, op.offset_w, op.ofm.width, op.ifm.width)):
+        last = offset + (out_size - 1) * step
+        if step < 0:
+            raise StreamError(f"{where}: resize step_{axis} {step} is negative")
+        if offset <= -ONE:
+            raise StreamError(f"{where}: resize offset_{axis} {offset} is not above {-ONE} (one pixel before the ifm)")
+        if last // ONE > in_size - 1 or last + ONE - 1 > INT32_MAX:
+            raise StreamError(f"{where}: resize position {last} (1/{ONE} pixels) of the last output along {axis} "
+                              f"lies past the ifm's {in_size} pixels")
+
+
+def check_matmul(stream: CommandStream, config: NpuConfig, opcode: Opcode, op: MatMul, where: str) -> None:
+    _check_regions(config, where, {"ifm": op.ifm, "ifm2": op.ifm2}, op.ofm)
+    batches, rows, depth = op.ifm.height, op.ifm.width, op.ifm.channels
+    columns = op.ofm.channels
+    rhs = (batches, columns, depth) if op.adj_y else (batches, depth, columns)
+    shapes = {"ifm2": ((op.ifm2.height, op.ifm2.width, op.ifm2.channels), rhs),
+              "ofm": ((op.ofm.height, op.ofm.width, op.ofm.channels), (batches, rows, columns))}
+    for name, (got, want) in shapes.items():
+        if got != want:
+            raise StreamError(f"{where}: matmul {name} is {'x'.join(map(str, got))}, the ifm "
+                              f"{batches}x{rows}x{depth} needs {'x'.join(map(str, want))}")
+    _check_int8(where, input_zero_point=op.input_zero_point, input2_zero_point=op.input2_zero_point,
+                output_zero_point=op.output_zero_point, act_min=op.act_min, act_max=op.act_max)
+    if op.act_min > op.act_max:
+        raise StreamError(f"{where}: act_min {op.act_min} > act_max {op.act_max}")
+    _check_rounding(where, op.rounding)
+    _check_multiplier(where, "output", op.output_multiplier, op.output_shift)

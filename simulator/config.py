@@ -40,7 +40,9 @@ class NpuConfig:
         Width, 14 to 32, of every integer sum register: the MAC array's (CONV2D, DEPTHWISE_CONV2D,
         FULLY_CONNECTED, MEAN) and the pooling unit's window sum (AVG_POOL2D). At most 32 because the
         output stage rescales int32 values (TFLite's ``MultiplyByQuantizedMultiplier``); 14 is the
-        narrowest register studied (it still holds an 8 x 8 window sum of int8 values).
+        narrowest register studied (it still holds an 8 x 8 window sum of int8 values). The 16x8 CONV2D
+        (int16 activations) has 48-bit accumulators instead, TFLite's int64 output stage's input domain
+        (``simulator.isa.ACTIVATION_FORMATS``).
     sram_bytes : int
         On-chip SRAM that every tile (weights, scales, input and output stripes) must fit.
     dram_bytes : int

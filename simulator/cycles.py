@@ -6,6 +6,12 @@ stage time; the array processes ``mac_rows`` output channels times
 ``mac_cols`` reduction elements per cycle, so shapes that do not fill it pay
 for the idle lanes. Depthwise convolution has no cross-channel reduction and
 uses one column. A DMA costs its latency plus bytes over bandwidth.
+
+16x8 CONV2D (int16 activations): the array's multipliers are 8 x 8 bits, so each
+int16 activation takes two passes (low and high byte, summed shifted), doubling
+the array time (``ActivationFormat.mac_passes``, as Ethos-U's 16-bit mode runs at
+half rate); the MAC count is unchanged and the output stage still writes
+``output_lanes`` elements per cycle. DMA time follows the bytes, twice as many.
 """
 
 from __future__ import annotations
@@ -14,8 +20,8 @@ import math
 from dataclasses import dataclass
 
 from .config import NpuConfig
-from .isa import (Convolution, DmaCopy, Elementwise, MemorySpace, Opcode, Pooling, Reduction, Softmax,
-                  TableLookup)
+from .isa import (ACTIVATION_FORMATS, Convolution, DmaCopy, Elementwise, MatMul, MemorySpace, Opcode, Pooling,
+                  Reduction, Resize, Softmax, TableLookup)
 
 
 @dataclass(frozen=True)
@@ -34,7 +40,7 @@ def dma_cost(opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> CommandCost:
                        dram_write_bytes=moved if dma.dst_space == MemorySpace.DRAM else 0)
 
 
-def _mac_cost(conv: Convolution, config: NpuConfig, macs: int, array_cycles: int) -> CommandCost:
+def _mac_cost(conv: Convolution | MatMul, config: NpuConfig, macs: int, array_cycles: int) -> CommandCost:
     outputs = conv.ofm.height * conv.ofm.width * conv.ofm.channels
     output_cycles = math.ceil(outputs / config.output_lanes)
     return CommandCost(cycles=config.command_overhead_cycles + max(array_cycles, output_cycles), macs=macs)
@@ -45,7 +51,7 @@ def conv2d_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> Command
     taps = conv.kernel[0] * conv.kernel[1]
     macs = pixels * taps * conv.ifm.channels * conv.ofm.channels
     array = (pixels * taps * math.ceil(conv.ifm.channels / config.mac_cols)
-             * math.ceil(conv.ofm.channels / config.mac_rows))
+             * math.ceil(conv.ofm.channels / config.mac_rows) * ACTIVATION_FORMATS[conv.ifm.dtype].mac_passes)
     return _mac_cost(conv, config, macs, array)
 
 
@@ -61,6 +67,17 @@ def fully_connected_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -
     macs = batch * conv.ifm.channels * conv.ofm.channels
     array = batch * math.ceil(conv.ifm.channels / config.mac_cols) * math.ceil(conv.ofm.channels / config.mac_rows)
     return _mac_cost(conv, config, macs, array)
+
+
+def batch_matmul_cost(opcode: Opcode, op: MatMul, config: NpuConfig) -> CommandCost:
+    """Each row of each batch's left operand is one fully connected input against the right operand's N
+    columns (read transposed or not at the same rate): mac_cols of the shared axis times mac_rows columns
+    per cycle, as FULLY_CONNECTED."""
+    batches, rows, depth = op.ifm.height, op.ifm.width, op.ifm.channels
+    columns = op.ofm.channels
+    macs = batches * rows * depth * columns
+    array = batches * rows * math.ceil(depth / config.mac_cols) * math.ceil(columns / config.mac_rows)
+    return _mac_cost(op, config, macs, array)
 
 
 def elementwise_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:
@@ -82,6 +99,18 @@ def pool_cost(opcode: Opcode, op: Pooling, config: NpuConfig) -> CommandCost:
     pixels = op.ofm.height * op.ofm.width
     return CommandCost(cycles=config.command_overhead_cycles
                        + pixels * taps * math.ceil(op.ofm.channels / config.output_lanes))
+
+
+BILINEAR_TAPS = 4
+"""A bilinear output pixel is a 2x2 window of the input, each tap weighted."""
+
+
+def resize_bilinear_cost(opcode: Opcode, op: Resize, config: NpuConfig) -> CommandCost:
+    """The pooling unit takes the 2x2 window of each output pixel one weighted tap of output_lanes channels per
+    cycle, as it takes a pooling window's taps."""
+    pixels = op.ofm.height * op.ofm.width
+    return CommandCost(cycles=config.command_overhead_cycles
+                       + pixels * BILINEAR_TAPS * math.ceil(op.ofm.channels / config.output_lanes))
 
 
 def lut_cost(opcode: Opcode, op: TableLookup, config: NpuConfig) -> CommandCost:

@@ -7,7 +7,7 @@ without ever touching flatbuffers objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 import numpy as np
@@ -16,7 +16,7 @@ from .config import NpuConfig, get_config
 from .errors import StreamError
 from .numerics import Rounding
 
-FORMAT_VERSION = (2, 1)
+FORMAT_VERSION = (2, 3)
 """(major, minor) of the command-stream format; a reader accepts the majors in ``READABLE_MAJORS``.
 
 1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
@@ -29,9 +29,49 @@ Older streams name only a preset, which the reader looks up.
 SHA-256 over header and payload (:mod:`simulator.stream`); 1.x files are bare flatbuffers.
 2.1 added ``HardwareConfig.accumulator_overflow`` (``NpuConfig.accumulator_overflow``); a stream
 without it, as every older one, means ``"wrap"``, what the accumulators always did. Older formats
-cannot carry ``"saturate"``: the encoder refuses rather than write a stream that would run wrapped."""
+cannot carry ``"saturate"``: the encoder refuses rather than write a stream that would run wrapped.
+2.2 added RESIZE_BILINEAR (the Resize table, ``Command.resize``) and BATCH_MATMUL (the MatMul table,
+``Command.matmul``); an opcode's record names the format that introduced it
+(:attr:`simulator.opcodes.OpcodeDef.since`): the encoder refuses to write it in an older format and the
+decoder refuses a stream of an older format that uses it.
+2.3 added ``FeatureMap.dtype`` (:class:`ActivationType`): INT16 feature maps for the 16x8 CONV2D
+(TFLite's 16x8 mode). Absent, as in every older stream, it reads INT8; the encoder refuses to write an
+INT16 feature map in an older format and the decoder refuses one in a stream that claims an older format."""
 
 READABLE_MAJORS = (1, 2)
+
+DTYPE_SINCE = (2, 3)
+"""The format that added ``FeatureMap.dtype``."""
+
+
+class ActivationType(IntEnum):
+    """Element type of a feature map; values are the stream's ``ActivationType`` (format 2.3)."""
+
+    INT8 = 0
+    INT16 = 1
+
+    def __repr__(self) -> str:  # as `npu inspect` lists feature maps: dtype=INT16
+        return self.name
+
+
+@dataclass(frozen=True)
+class ActivationFormat:
+    """What the MAC array and output stage do with one element type: one record per :class:`ActivationType`."""
+
+    dtype: np.dtype
+    accumulator_bits: int | None
+    """Width of a MAC-array accumulator fed by this type; ``None``: the configuration's ``accumulator_bits``.
+    16x8 has 48 bits, [-2**47, 2**47): the domain TFLite's int64 ``MultiplyByQuantizedMultiplier`` (its output
+    stage) asserts, so the NPU equals TFLite's int64 accumulator wherever TFLite's kernel is defined."""
+    mac_passes: int
+    """Passes the array's 8 x 8-bit multipliers make per product: an int16 activation is two bytes, so 16x8
+    runs at half the int8 rate (as Ethos-U's 16-bit mode); a cycle-model fact."""
+
+
+ACTIVATION_FORMATS = {
+    ActivationType.INT8: ActivationFormat(np.dtype(np.int8), None, 1),
+    ActivationType.INT16: ActivationFormat(np.dtype(np.int16), 48, 2),
+}
 
 
 class Opcode(IntEnum):
@@ -49,6 +89,8 @@ class Opcode(IntEnum):
     SUB = 9
     MUL = 10
     SOFTMAX = 11
+    RESIZE_BILINEAR = 12
+    BATCH_MATMUL = 13
 
 
 class BufferKind(IntEnum):
@@ -97,16 +139,27 @@ class DmaCopy:
 
 @dataclass(frozen=True)
 class FeatureMap:
-    """NHWC int8 tile (batch 1) at an SRAM address."""
+    """NHWC tile (batch 1) at an SRAM address; int8 elements, or int16 for the 16x8 CONV2D (format 2.3)."""
 
     address: int
     height: int
     width: int
     channels: int
+    dtype: ActivationType = ActivationType.INT8
 
     @property
     def size(self) -> int:
+        """Elements (bytes for INT8; see :attr:`nbytes`)."""
         return self.height * self.width * self.channels
+
+    @property
+    def nbytes(self) -> int:
+        """SRAM bytes the tile occupies."""
+        return self.size * ACTIVATION_FORMATS[self.dtype].dtype.itemsize
+
+    @property
+    def numpy_dtype(self) -> np.dtype:
+        return ACTIVATION_FORMATS[self.dtype].dtype
 
 
 @dataclass(frozen=True)
@@ -245,14 +298,59 @@ class Softmax:
     output_zero_point: int = -128   # TFLite int8 softmax output is fixed at scale 1/256, zp -128
 
 
+@dataclass(frozen=True)
+class Resize:
+    """Operands of RESIZE_BILINEAR (pooling unit): TFLite's integer bilinear interpolation of an NHWC tile.
+
+    Output row ``j`` samples the input at ``offset_h + j * step_h`` in 1/1024 input pixels, relative to the
+    tile's first input row (columns likewise); :mod:`simulator.resize` defines the arithmetic. The offsets
+    let a tile of rows start anywhere in the image with TFLite's global positions.
+    """
+
+    ifm: FeatureMap
+    ofm: FeatureMap
+    step_h: int
+    step_w: int
+    offset_h: int
+    offset_w: int
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+
+
+@dataclass(frozen=True)
+class MatMul:
+    """Operands of BATCH_MATMUL (MAC array): the product of two int8 activations, requantized per tensor.
+
+    Feature maps hold [batch, rows, columns] as height x width x channels: ``ifm`` [B, M, K], ``ifm2``
+    [B, K, N] ([B, N, K] with ``adj_y``, TFLite's flag: read transposed), ``ofm`` [B, M, N].
+    """
+
+    ifm: FeatureMap
+    ifm2: FeatureMap
+    ofm: FeatureMap
+    input_zero_point: int
+    input2_zero_point: int
+    output_zero_point: int
+    output_multiplier: int
+    output_shift: int
+    act_min: int = -128
+    act_max: int = 127
+    rounding: Rounding = Rounding.TFLITE_DOUBLE
+    adj_y: bool = False
+
+
 SCALE_BIAS_WORDS = 3
 """int32 words per output channel in the scale/bias table: bias, multiplier, shift."""
+
+
+def feature_maps(payload) -> list[tuple[str, FeatureMap]]:
+    """(field name, feature map) of every feature map a payload holds (none for DMA)."""
+    return [(f.name, value) for f in fields(payload) if isinstance(value := getattr(payload, f.name), FeatureMap)]
 
 
 @dataclass(frozen=True)
 class Command:
     opcode: Opcode
-    payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling | TableLookup | Softmax
+    payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling | TableLookup | Softmax | Resize | MatMul
     layer: str = ""
 
 

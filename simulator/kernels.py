@@ -14,9 +14,11 @@ Every kernel returns how many output elements overflowed their accumulator
 have one; the others return 0, and so do MEAN and AVG_POOL2D under
 ``Rounding.ONNXRUNTIME``, which compute in float32.
 
-Products are summed with float64 matrix multiplies for speed: every term is an
-integer below 2**16 in magnitude, so partial sums stay exact while fewer than
-2**37 terms are added, far beyond any legal kernel.
+Products are summed by :mod:`simulator.macs` in float32 or float64 matrix
+multiplies, whichever is exact for the command's actual values (its docstring
+argues the bound), or in int64. The 16x8 CONV2D (int16 activations, zero point 0)
+has 48-bit accumulators and TFLite's int64 output stage
+(:func:`simulator.numerics.requantize_16x8`), as the ISA's ``ACTIVATION_FORMATS`` say.
 
 Commands with ``Rounding.ONNXRUNTIME`` reproduce onnxruntime's QDQ execution
 instead (:mod:`simulator.numerics`): the elementwise, pooling and mean units
@@ -32,10 +34,12 @@ import numpy as np
 
 from . import elementwise
 from .config import NpuConfig
-from .isa import (SCALE_BIAS_WORDS, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace, Opcode, Pooling,
-                  Reduction, Softmax, TableLookup, weight_shape)
-from .numerics import Rounding, narrow_accumulator, requantize, requantize_float
+from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, Convolution, DmaCopy, Elementwise, FeatureMap,
+                  MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax, TableLookup, weight_shape)
+from .macs import conv2d_sums, depthwise_sums, exact_sums, fully_connected_sums, sum_bound, sum_dtype
+from .numerics import Rounding, narrow_accumulator, requantize, requantize_16x8, requantize_float
 from .onnxruntime_numerics import ort_avg_pool, ort_mean
+from .resize import resize_bilinear
 from .softmax import softmax
 
 
@@ -67,80 +71,77 @@ def _read(state: MachineState, address: int, shape: tuple[int, ...], dtype) -> n
     return state.sram[address:address + count].view(dtype).reshape(shape)
 
 
-def _padded_input(state: MachineState, conv: Convolution) -> np.ndarray:
-    """ifm minus its zero point, zero-padded: the TFLite ``input + input_offset`` term."""
-    ifm = _read(state, conv.ifm.address, (conv.ifm.height, conv.ifm.width, conv.ifm.channels), np.int8)
-    pt, pl, pb, pr = conv.padding
-    return np.pad(ifm.astype(np.float64) - conv.input_zero_point, ((pt, pb), (pl, pr), (0, 0)))
-
-
-def _windows(x: np.ndarray, conv: Convolution):
-    """Yield (ky, kx, strided input slice of shape [OH, OW, C]) for every kernel tap."""
-    (kh, kw), (sh, sw), (dh, dw) = conv.kernel, conv.stride, conv.dilation
-    oh, ow = conv.ofm.height, conv.ofm.width
-    for ky in range(kh):
-        for kx in range(kw):
-            y0, x0 = ky * dh, kx * dw
-            yield ky, kx, x[y0:y0 + (oh - 1) * sh + 1:sh, x0:x0 + (ow - 1) * sw + 1:sw, :]
-
-
-def _accumulate_conv2d(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
-    """CONV2D: every output channel sums over all input channels of every kernel tap."""
-    acc = np.zeros((conv.ofm.height, conv.ofm.width, conv.ofm.channels), dtype=np.float64)
-    for ky, kx, window in _windows(x, conv):
-        acc += window @ weights[:, ky, kx, :].T
-    return acc
-
-
-def _accumulate_depthwise(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
-    """DEPTHWISE_CONV2D: each output channel sums over its input channel's kernel taps only; with a channel
-    multiplier m (ofm channels = m * ifm channels) output channel o reads input channel o // m."""
-    multiplier = conv.ofm.channels // conv.ifm.channels
-    acc = np.zeros((conv.ofm.height, conv.ofm.width, conv.ofm.channels), dtype=np.float64)
-    for ky, kx, window in _windows(x, conv):
-        acc += (np.repeat(window, multiplier, axis=-1) if multiplier > 1 else window) * weights[:, ky, kx]
-    return acc
-
-
-def _accumulate_fully_connected(x: np.ndarray, weights: np.ndarray, conv: Convolution) -> np.ndarray:
-    """FULLY_CONNECTED: one row of the N x IC input against every output channel's weights."""
-    return x @ weights.T
-
-
 DOUBLE_SCALE_ROUNDINGS = (Rounding.FLOAT64, Rounding.ONNXRUNTIME)
 """Modes whose scale/bias table holds a float64 scale per channel instead of (multiplier, shift)."""
 
 
-def _run_convolution(accumulate, state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> int:
-    weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8).astype(np.float64)
+MAC_CHUNK = 1 << 18
+"""Outputs a batched MAC command computes at a time: its float64 sums then fit buffers the allocator reuses."""
+
+
+def mac_output(opcode: Opcode, conv: Convolution, config: NpuConfig, ifm: np.ndarray, weights: np.ndarray,
+               table: np.ndarray) -> tuple[np.ndarray, int]:
+    """A MAC-array command's output tile from its operands (``ifm`` may carry leading batch axes): the exact
+    sums (:mod:`simulator.macs`) plus bias into the accumulator register, then the output stage; and how many
+    accumulators overflowed."""
+    bias = table[:, 0]
+    # One exact type for the whole command: its bound covers every sample (and leaves room for the bias).
+    bound = sum_bound(ifm, conv.input_zero_point, weights) + int(np.abs(bias.astype(np.int64)).max(initial=0))
+    dtype = sum_dtype(bound)
+    # The adder tree is exact; the register (accumulator_bits wide, 48 bits for 16x8) receives bias + sum.
+    bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
+    samples = ifm.reshape(-1, *ifm.shape[-3:])
+    step = max(1, MAC_CHUNK // conv.ofm.size)  # a batch, a few samples at a time
+    parts, overflows = [], 0
+    for start in range(0, len(samples), step):
+        exact = exact_sums(opcode, conv, samples[start:start + step], weights, dtype=dtype)
+        exact += bias  # exact in the sums' own type
+        acc, count = narrow_accumulator(exact, bits, config.accumulator_overflow)
+        parts.append(OUTPUT_STAGES[conv.ofm.dtype](acc, table, conv))
+        overflows += count
+    out = parts[0] if len(parts) == 1 else np.concatenate(parts)
+    return out.reshape(*ifm.shape[:-3], *out.shape[1:]), overflows
+
+
+def _run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> int:
+    ifm = _read(state, conv.ifm.address, (conv.ifm.height, conv.ifm.width, conv.ifm.channels), conv.ifm.numpy_dtype)
+    weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8)
     table = _read(state, conv.scale_bias_address, (conv.ofm.channels, SCALE_BIAS_WORDS), np.int32)
-    bias = table[:, 0].astype(np.int64)
-    exact = accumulate(_padded_input(state, conv), weights, conv).astype(np.int64) + bias
-    # The adder tree is exact; the register of accumulator_bits receives bias + sum on write-back.
-    acc, overflows = narrow_accumulator(exact, config.accumulator_bits, config.accumulator_overflow)
-    if conv.rounding in DOUBLE_SCALE_ROUNDINGS:
-        scales = np.ascontiguousarray(table[:, 1:3]).view(np.float64).reshape(-1)
-        out = requantize_float(acc, scales, conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
-    else:
-        out = requantize(acc, table[:, 1].astype(np.int64), table[:, 2].astype(np.int64),
-                         conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
-    state.sram[conv.ofm.address:conv.ofm.address + conv.ofm.size] = out.reshape(-1).view(np.uint8)
+    out, overflows = mac_output(opcode, conv, config, ifm, weights, table)
+    state.sram[conv.ofm.address:conv.ofm.address + conv.ofm.nbytes] = out.reshape(-1).view(np.uint8)
     return overflows
 
 
-def mac_kernel(accumulate):
-    """The kernel of a MAC-array opcode: its accumulation, then the shared output stage."""
+def _int8_output_stage(acc: np.ndarray, table: np.ndarray, conv: Convolution) -> np.ndarray:
+    if conv.rounding in DOUBLE_SCALE_ROUNDINGS:
+        scales = np.ascontiguousarray(table[:, 1:3]).view(np.float64).reshape(-1)
+        return requantize_float(acc, scales, conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
+    return requantize(acc, table[:, 1].astype(np.int64), table[:, 2].astype(np.int64),
+                      conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
+
+
+def _int16_output_stage(acc: np.ndarray, table: np.ndarray, conv: Convolution) -> np.ndarray:
+    return requantize_16x8(acc, table[:, 1], table[:, 2], conv.output_zero_point, conv.act_min, conv.act_max)
+
+
+OUTPUT_STAGES = {ActivationType.INT8: _int8_output_stage, ActivationType.INT16: _int16_output_stage}
+"""The MAC array's output stage by ofm element type: int8 as the command's rounding says; int16 TFLite's
+16x8 stage (one variant: both TFLite builds share it)."""
+
+
+def mac_kernel(sums):
+    """The kernel of a MAC-array opcode: its exact sums, then the shared output stage."""
 
     def run(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> int:
-        return _run_convolution(accumulate, state, opcode, conv, config)
+        return _run_convolution(state, opcode, conv, config)
 
-    run.__doc__ = accumulate.__doc__
+    run.__doc__ = sums.__doc__
     return run
 
 
-run_conv2d = mac_kernel(_accumulate_conv2d)
-run_depthwise_conv2d = mac_kernel(_accumulate_depthwise)
-run_fully_connected = mac_kernel(_accumulate_fully_connected)
+run_conv2d = mac_kernel(conv2d_sums)
+run_depthwise_conv2d = mac_kernel(depthwise_sums)
+run_fully_connected = mac_kernel(fully_connected_sums)
 
 
 def _fmap(state: MachineState, fmap: FeatureMap) -> np.ndarray:
@@ -228,3 +229,25 @@ def run_lut(state: MachineState, opcode: Opcode, op: TableLookup, config: NpuCon
     table = _read(state, op.table_address, (config.lut_entries,), np.int8)
     _write(state, op.ofm, table[_fmap(state, op.ifm).astype(np.int16) + 128])
     return 0
+
+
+def run_resize_bilinear(state: MachineState, opcode: Opcode, op: Resize, config: NpuConfig) -> int:
+    """TFLite's reference int8 RESIZE_BILINEAR (``ResizeBilinearInteger``, :mod:`simulator.resize`) of one
+    tile on the pooling unit: a 2x2 window of fixed-point weights per output pixel, no accumulator register."""
+    _write(state, op.ofm, resize_bilinear(_fmap(state, op.ifm), op.ofm.height, op.ofm.width, op.step_h, op.step_w,
+                                          op.offset_h, op.offset_w, op.rounding))
+    return 0
+
+
+def run_batch_matmul(state: MachineState, opcode: Opcode, op: MatMul, config: NpuConfig) -> int:
+    """TFLite's reference int8 BATCH_MATMUL (``reference_ops::BatchMatMul``): per batch, the sum over the
+    shared axis of ``(lhs - zp) * (rhs - zp2)`` into the accumulator register, then the output stage.
+    Products are summed with float64 matrix multiplies, exact as in the convolutions (see the module
+    docstring)."""
+    lhs = _fmap(state, op.ifm).astype(np.float64) - op.input_zero_point
+    rhs = _fmap(state, op.ifm2).astype(np.float64) - op.input2_zero_point
+    exact = np.matmul(lhs, np.swapaxes(rhs, 1, 2) if op.adj_y else rhs).astype(np.int64)
+    acc, overflows = narrow_accumulator(exact, config.accumulator_bits, config.accumulator_overflow)
+    _write(state, op.ofm, requantize(acc, op.output_multiplier, op.output_shift, op.output_zero_point, op.act_min,
+                                     op.act_max, op.rounding))
+    return overflows

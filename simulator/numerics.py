@@ -5,7 +5,7 @@ the multiplier functions to precompute per-channel (multiplier, shift) pairs,
 and the simulator calls the requantize functions to execute them. The same
 holds for the elementwise ADD, SUB and MUL. Its neighbours keep that rule for
 the rest: :mod:`simulator.tables` (activation tables), :mod:`simulator.softmax`,
-:mod:`simulator.onnxruntime_numerics` (``Rounding.ONNXRUNTIME``), all on the
+:mod:`simulator.resize` (bilinear resize), :mod:`simulator.onnxruntime_numerics` (``Rounding.ONNXRUNTIME``), all on the
 gemmlowp primitives of :mod:`simulator.fixedpoint`.
 
 Conventions (those of tensorflow/lite/kernels/internal/common.h and
@@ -129,6 +129,18 @@ def fully_connected_multiplier(input_scale, weight_scale, output_scale, rounding
     return np.array([multiplier], dtype=np.int32), np.array([shift], dtype=np.int32)
 
 
+def batch_matmul_multiplier(input_scale, input2_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):
+    """(multiplier, shift) of int8 BATCH_MATMUL, as TFLite's ``batch_matmul.cc`` ``Prepare``.
+
+    It calls the same ``GetQuantizedConvolutionMultipler`` as FULLY_CONNECTED with the two activations
+    as input and filter (scales multiplied in float32, divided in double), then ``QuantizeMultiplier``;
+    its reference kernel (``reference_ops::BatchMatMul``) requantizes the int32 sum of centred products
+    with ``MultiplyByQuantizedMultiplier``, as :func:`requantize` does.
+    """
+    multiplier, shift = fully_connected_multiplier(input_scale, input2_scale, output_scale, rounding)
+    return int(multiplier[0]), int(shift[0])
+
+
 ADD_LEFT_SHIFT = 20
 """Headroom bits TFLite's int8 ADD gives both inputs before rescaling (add.cc)."""
 
@@ -236,8 +248,11 @@ def narrow_accumulator(exact: np.ndarray, bits: int, overflow: str) -> tuple[np.
     except KeyError:
         raise NumericsError(f"unknown accumulator overflow {overflow!r}; known: "
                             f"{', '.join(ACCUMULATOR_OVERFLOWS)}") from None
-    exact = np.asarray(exact, dtype=np.int64)
     low, high = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    exact = np.asarray(exact)
+    if exact.size == 0 or (low <= exact.min() and exact.max() <= high):
+        return exact, 0  # nothing to narrow: the register holds every value as it is (int64, or exact float64)
+    exact = exact.astype(np.int64)
     overflowed = int(np.count_nonzero((exact < low) | (exact > high)))
     return narrow(exact, bits), overflowed
 
@@ -275,8 +290,127 @@ def requantize(acc, multiplier, shift, output_zero_point, act_min, act_max,
     info = np.iinfo(out_dtype)
     if not info.min <= act_min <= act_max <= info.max:
         raise NumericsError(f"activation clamp [{act_min}, {act_max}] is outside {np.dtype(out_dtype).name}")
+    if rounding == Rounding.TFLITE_DOUBLE:
+        fast = _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act_min, act_max, out_dtype)
+        if fast is not None:
+            return fast
     scaled = multiply_by_quantized_multiplier(acc, multiplier, shift, rounding)
     return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(out_dtype)
+
+
+FLOAT64_REQUANTIZE_PRODUCTS = 1 << 52
+"""|acc * 2**left_shift * multiplier| below this: :func:`requantize`'s float64 path is exact."""
+FLOAT64_REQUANTIZE_MAX_RIGHT_SHIFT = 21
+"""Right shifts up to this keep the float64 path's rounding offsets within its 53 bits."""
+REQUANTIZE_BLOCK = 1 << 15
+"""Accumulators the float64 path requantizes at a time (256 KiB of float64: an L2-sized block)."""
+
+
+def _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act_min, act_max, out_dtype):
+    """``Rounding.TFLITE_DOUBLE`` requantization in eight float64 passes, exactly; None where it cannot be exact.
+
+    With ``F = (x << L) * m`` (no int32 wrap: checked) the high multiply is ``h = floor(F / 2**31 + 1/2)``
+    (``(F + 2**30) >> 31``; for ``F < 0`` gemmlowp's nudge ``1 - 2**30`` and truncation give the same floor, and
+    the saturating case needs ``m = -2**31``, impossible). The rounding shift by ``R >= 1`` is
+    ``floor((h + 2**(R-1) - [h < 0]) / 2**R)``, and ``floor((floor(t) + c) / D) = floor((t + c) / D)`` for
+    integer ``c`` and ``D``, so the result is one floor: ``floor(F / 2**(31+R) + 2**-(1+R) + 1/2 - [F < -2**30] /
+    2**R)`` (for ``R = 0``: ``floor(F / 2**31 + 1/2)``). ``F / 2**(31+R)`` is ``x`` times the per-channel
+    ``m / 2**(31+R-L)``, an integer times a power of two; it and the sum with the offset are exact while
+    ``|F| < 2**52`` and ``R <= 21`` (all values then lie on a grid of ``2**-(31+R)`` within 53 bits).
+    """
+    x = np.asarray(acc)
+    m = np.asarray(multiplier, dtype=np.int64)
+    s = np.asarray(shift, dtype=np.int64)
+    _check_multipliers(m, s)
+    if x.size == 0:
+        return None
+    left, right = np.maximum(s, 0), np.maximum(-s, 0)
+    largest = max(abs(int(x.max())), abs(int(x.min())))
+    shifted = largest << int(left.max())
+    if (shifted > INT32_MAX or shifted * int(m.max()) >= FLOAT64_REQUANTIZE_PRODUCTS
+            or int(right.max()) > FLOAT64_REQUANTIZE_MAX_RIGHT_SHIFT):
+        return None
+    scale = m * np.exp2((left - right - 31).astype(np.float64))
+    half = -np.exp2((-1 - right).astype(np.float64))
+    offset = -half + np.where(right > 0, 0.5, 0.0)
+    negative = np.where(right > 0, np.exp2(-right.astype(np.float64)), 0.0)
+    # In blocks that stay in cache, into buffers allocated once: fresh large temporaries cost more than the math.
+    channels = x.shape[-1] if x.ndim else 1
+    rows = x.reshape(-1, channels)
+    out = np.empty(rows.shape, out_dtype)
+    step = max(1, REQUANTIZE_BLOCK // channels)
+    u = np.empty((min(step, rows.shape[0]), channels))
+    below, w = np.empty(u.shape, bool), np.empty(u.shape)
+    for start in range(0, rows.shape[0], step):
+        block = rows[start:start + step]
+        v, mask, w = u[:block.shape[0]], below[:block.shape[0]], w[:block.shape[0]]
+        np.multiply(block, scale, out=v, casting="unsafe")
+        np.less(v, half, out=mask)
+        v += offset
+        np.multiply(mask, negative, out=w)
+        v -= w
+        np.floor(v, out=v)
+        v += int(output_zero_point)
+        np.clip(v, act_min, act_max, out=v)
+        out[start:start + step] = v
+    return out.reshape(x.shape)
+
+
+INT64_SHIFT_RANGE = (-31, 7)
+"""Shifts TFLite's int64 ``MultiplyByQuantizedMultiplier`` accepts (it asserts ``shift >= -31 && shift < 8``)."""
+
+INT64_ACCUMULATOR_RANGE = (-(1 << 47), (1 << 47) - 1)
+"""The input domain TFLite's int64 ``MultiplyByQuantizedMultiplier`` asserts: ``-(1 << 47) <= x < (1 << 47)``."""
+
+
+def multiply_by_quantized_multiplier_int64(acc, multiplier, shift):
+    """TFLite ``MultiplyByQuantizedMultiplier(int64_t x, int32_t m, int shift)`` (internal/common.cc), vectorized.
+
+    The output stage of TFLite's 16x8 kernels, which is not the int32 function on a wider input: the
+    multiplier is first rounded to 16 bits, ``(m + 2**15) >> 16`` (``0x7FFF`` once m >= 0x7FFF0000), and
+    the product shifted right once by ``15 - shift`` after adding half of its last step, i.e. rounded half
+    up (toward +inf) where the int32 path rounds half away from zero twice; the two can differ by one.
+    TFLite's ``TFLITE_SINGLE_ROUNDING`` flag selects between two identical bodies of it, so there is one
+    variant. The result is the low 32 bits (TFLite's cast to int32_t). Refuses what TFLite asserts against:
+    a negative multiplier, a shift outside ``INT64_SHIFT_RANGE``, an accumulator outside
+    ``INT64_ACCUMULATOR_RANGE`` (inside it the product with a 16-bit multiplier stays below 2**62, exact in int64).
+    """
+    x = np.asarray(acc, dtype=np.int64)
+    m = np.asarray(multiplier, dtype=np.int64)
+    s = np.asarray(shift, dtype=np.int64)
+    low, high = INT64_SHIFT_RANGE
+    if np.any(m < 0) or np.any(m > INT32_MAX):
+        raise NumericsError("requantization multiplier must be an int32 >= 0")
+    if np.any(s < low) or np.any(s > high):
+        bad = int(s[(s < low) | (s > high)].reshape(-1)[0])
+        raise NumericsError(f"16x8 requantization shift {bad} is outside [{low}, {high}]")
+    if np.any(x < INT64_ACCUMULATOR_RANGE[0]) or np.any(x > INT64_ACCUMULATOR_RANGE[1]):
+        raise NumericsError("16x8 accumulator outside [-2**47, 2**47), the domain of TFLite's int64 requantization")
+    reduced = np.where(m < 0x7FFF0000, (m + (1 << 15)) >> 16, 0x7FFF)
+    total_shift = 15 - s
+    return wrap_signed((x * reduced + (np.int64(1) << (total_shift - 1))) >> total_shift, 32)
+
+
+def requantize_16x8(acc, multiplier, shift, output_zero_point, act_min, act_max):
+    """Output stage of TFLite's 16x8 convolution (reference_integer_ops::ConvPerChannel, int16 input):
+    int64 requantization (:func:`multiply_by_quantized_multiplier_int64`), zero point (0 in TFLite, which
+    adds none), clamp to [act_min, act_max] within int16."""
+    info = np.iinfo(np.int16)
+    if not info.min <= act_min <= act_max <= info.max:
+        raise NumericsError(f"activation clamp [{act_min}, {act_max}] is outside int16")
+    scaled = multiply_by_quantized_multiplier_int64(acc, multiplier, shift)
+    return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(np.int16)
+
+
+def conv_multipliers_16x8(input_scale, weight_scales, output_scale):
+    """Per-channel (multiplier, shift) of a 16x8 convolution: TFLite prepares them as for int8
+    (:func:`conv_multipliers`, in double); its int64 output stage then takes only shifts up to 7, i.e.
+    real multipliers below 2**7 (TFLite asserts; the NPU refuses the layer)."""
+    multiplier, shift = conv_multipliers(input_scale, weight_scales, output_scale)
+    if np.any(shift > INT64_SHIFT_RANGE[1]):
+        raise NumericsError(f"16x8 requantization multiplier s_in * s_w / s_out needs shift {int(shift.max())}, "
+                            f"but TFLite's int64 output stage takes at most {INT64_SHIFT_RANGE[1]}")
+    return multiplier, shift
 
 
 def _rescale_and_combine(sign: int, x1, x2, zp1, zp2, zp_out, m1, s1, m2, s2, m_out, s_out, left_shift, act_min,

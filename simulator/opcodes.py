@@ -15,7 +15,8 @@ from enum import Enum
 from . import command_checks as checks
 from . import cycles, kernels
 from .errors import StreamError
-from .isa import Convolution, DmaCopy, Elementwise, Opcode, Pooling, Reduction, Softmax, TableLookup
+from .isa import (ActivationType, Convolution, DmaCopy, Elementwise, MatMul, Opcode, Pooling, Reduction, Resize,
+                  Softmax, TableLookup)
 
 
 class Unit(str, Enum):
@@ -44,12 +45,17 @@ class OpcodeDef:
     elements overflowed their accumulator (0 for units without one)."""
     cost: Callable
     """(opcode, payload, config) -> :class:`simulator.cycles.CommandCost`."""
+    since: tuple[int, int] | None = None
+    """The command-stream format that introduced the opcode (no stream of an older format may hold it); None
+    for the opcodes of the first formats, which every reader knows."""
+    activations: frozenset = frozenset({ActivationType.INT8})
+    """Element types its feature maps may have (format 2.3): int8 everywhere, int16 too for the 16x8 CONV2D."""
 
 
 OPCODES: dict[Opcode, OpcodeDef] = {d.opcode: d for d in (
     OpcodeDef(Opcode.DMA_COPY, DmaCopy, "dma", Unit.DMA, checks.check_dma, kernels.run_dma, cycles.dma_cost),
     OpcodeDef(Opcode.CONV2D, Convolution, "conv", Unit.MAC_ARRAY, checks.check_convolution, kernels.run_conv2d,
-              cycles.conv2d_cost),
+              cycles.conv2d_cost, activations=frozenset(ActivationType)),
     OpcodeDef(Opcode.DEPTHWISE_CONV2D, Convolution, "conv", Unit.MAC_ARRAY, checks.check_convolution,
               kernels.run_depthwise_conv2d, cycles.depthwise_cost),
     OpcodeDef(Opcode.FULLY_CONNECTED, Convolution, "conv", Unit.MAC_ARRAY, checks.check_convolution,
@@ -69,6 +75,10 @@ OPCODES: dict[Opcode, OpcodeDef] = {d.opcode: d for d in (
     OpcodeDef(Opcode.LUT, TableLookup, "lut", Unit.OUTPUT_STAGE, checks.check_lut, kernels.run_lut, cycles.lut_cost),
     OpcodeDef(Opcode.SOFTMAX, Softmax, "softmax", Unit.SOFTMAX, checks.check_softmax, kernels.run_softmax,
               cycles.softmax_cost),
+    OpcodeDef(Opcode.RESIZE_BILINEAR, Resize, "resize", Unit.POOLING, checks.check_resize,
+              kernels.run_resize_bilinear, cycles.resize_bilinear_cost, since=(2, 2)),
+    OpcodeDef(Opcode.BATCH_MATMUL, MatMul, "matmul", Unit.MAC_ARRAY, checks.check_matmul, kernels.run_batch_matmul,
+              cycles.batch_matmul_cost, since=(2, 2)),
 )}
 
 

@@ -34,14 +34,17 @@ from ._generated import DmaCopy as fb_dma
 from ._generated import Elementwise as fb_elementwise
 from ._generated import FeatureMap as fb_fmap
 from ._generated import HardwareConfig as fb_hardware
+from ._generated import MatMul as fb_matmul
 from ._generated import Pooling as fb_pooling
 from ._generated import Reduction as fb_reduction
+from ._generated import Resize as fb_resize
 from ._generated import Softmax as fb_softmax
 from ._generated import TableLookup as fb_lut
 from .config import NpuConfig, get_config
 from .errors import ConfigError, StreamError
-from .isa import (READABLE_MAJORS, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
-                  FeatureMap, MemorySpace, Opcode, Pooling, Reduction, Softmax, TableLookup)
+from .isa import (DTYPE_SINCE, READABLE_MAJORS, ActivationType, Buffer, BufferKind, Command, CommandStream,
+                  Convolution, DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction,
+                  Resize, Softmax, TableLookup, feature_maps)
 from .numerics import ACCUMULATOR_OVERFLOWS, Rounding
 from .opcodes import opcode_def
 
@@ -52,7 +55,7 @@ HEADER_BYTES = _HEADER.size + 32
 
 _DMA_FIELDS = ("src_space", "src_buffer", "src_offset", "dst_space", "dst_buffer", "dst_offset",
                "row_bytes", "rows", "src_stride", "dst_stride")
-_FMAP_FIELDS = ("address", "height", "width", "channels")
+_FMAP_FIELDS = ("address", "height", "width", "channels", "dtype")
 _CONV_FIELDS = ("weights_address", "scale_bias_address", "kernel_h", "kernel_w", "stride_h",
                 "stride_w", "dilation_h", "dilation_w", "pad_top", "pad_left", "pad_bottom",
                 "pad_right", "input_zero_point", "output_zero_point", "act_min", "act_max", "rounding")
@@ -62,6 +65,15 @@ OVERFLOW_CODES = {mode: getattr(fb_overflow.AccumulatorOverflow, mode.upper()) f
 """``NpuConfig.accumulator_overflow`` -> the schema's ``AccumulatorOverflow`` value (format 2.1)."""
 OVERFLOW_SINCE = (2, 1)
 """The format that added ``HardwareConfig.accumulator_overflow``; older streams mean ``"wrap"``."""
+
+
+def _int16_feature_map(commands) -> str | None:
+    """The first command holding an INT16 feature map (format 2.3), as ``command i (OPCODE) name``, or None."""
+    for index, command in enumerate(commands):
+        for name, fmap in feature_maps(command.payload):
+            if fmap.dtype != ActivationType.INT8:
+                return f"command {index} ({command.opcode.name}) {name}"
+    return None
 
 
 def _camel(name: str) -> str:
@@ -96,7 +108,7 @@ def _unflatten_conv(flat: dict[str, int], ifm: FeatureMap, ofm: FeatureMap) -> C
 
 FLAT_PAYLOADS = {Elementwise: (fb_elementwise, "Elementwise"), Reduction: (fb_reduction, "Reduction"),
                  Pooling: (fb_pooling, "Pooling"), TableLookup: (fb_lut, "TableLookup"),
-                 Softmax: (fb_softmax, "Softmax")}
+                 Softmax: (fb_softmax, "Softmax"), Resize: (fb_resize, "Resize"), MatMul: (fb_matmul, "MatMul")}
 """Payloads whose dataclass fields map one to one onto schema tables (feature maps nested); the slot each
 occupies in ``Command`` is the opcode table's."""
 
@@ -154,8 +166,16 @@ def _encode_payload(builder, payload) -> int:
     return _encode_flat(builder, payload)
 
 
-def _encode_command(builder, command: Command) -> int:
+def _introduced(definition, version: tuple[int, int]) -> None:
+    """Refuse an opcode a stream's format does not define (its readers would not know it)."""
+    if definition.since is not None and tuple(version) < definition.since:
+        raise StreamError(f"{definition.opcode.name} is not defined in format {version[0]}.{version[1]} "
+                          f"(added in {definition.since[0]}.{definition.since[1]})")
+
+
+def _encode_command(builder, command: Command, version: tuple[int, int]) -> int:
     definition = opcode_def(command.opcode)
+    _introduced(definition, version)
     if not isinstance(command.payload, definition.payload):
         raise StreamError(f"{command.opcode.name} cannot carry {type(command.payload).__name__}")
     offsets = {"layer": builder.CreateString(command.layer),
@@ -176,6 +196,10 @@ def encode_stream(stream: CommandStream) -> bytes:
         raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry accumulator_overflow "
                           f"{stream.config.accumulator_overflow!r} (added in {OVERFLOW_SINCE[0]}.{OVERFLOW_SINCE[1]}); "
                           f"its readers would wrap")
+    wide = _int16_feature_map(stream.commands) if tuple(stream.version) < DTYPE_SINCE else None
+    if wide is not None:
+        raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry the INT16 feature map of "
+                          f"{wide} (added in {DTYPE_SINCE[0]}.{DTYPE_SINCE[1]}); its readers would take it as INT8")
     builder = flatbuffers.Builder(1024)
     buffer_offsets = []
     for buf in stream.buffers:
@@ -185,7 +209,7 @@ def encode_stream(stream: CommandStream) -> bytes:
             offsets["data"] = builder.CreateByteVector(buf.data)
         buffer_offsets.append(_add_table(builder, fb_buffer, "Buffer",
                                          {"kind": int(buf.kind), "size": buf.size}, offsets))
-    command_offsets = [_encode_command(builder, c) for c in stream.commands]
+    command_offsets = [_encode_command(builder, c, stream.version) for c in stream.commands]
     tables = {"name": builder.CreateString(stream.name), "config": builder.CreateString(stream.config.name),
               "buffers": _add_vector(builder, buffer_offsets), "commands": _add_vector(builder, command_offsets)}
     if tuple(stream.version) >= (1, 3):  # older formats named a preset only
@@ -220,7 +244,9 @@ def _enum(enum_type, value, what: str):
 def _decode_fmap(table, what: str) -> FeatureMap:
     if table is None:
         raise StreamError(f"command has no {what} feature map")
-    return FeatureMap(**{f: getattr(table, _camel(f))() for f in _FMAP_FIELDS})
+    values = {f: getattr(table, _camel(f))() for f in _FMAP_FIELDS}
+    values["dtype"] = _enum(ActivationType, values["dtype"], f"{what} activation type")
+    return FeatureMap(**values)
 
 
 def _decode_payload(raw, payload_type: type):
@@ -235,9 +261,13 @@ def _decode_payload(raw, payload_type: type):
     return _decode_flat(raw, payload_type)
 
 
-def _decode_command(raw, index: int, total: int) -> Command:
+def _decode_command(raw, index: int, version: tuple[int, int]) -> Command:
     opcode = _enum(Opcode, raw.Opcode(), "opcode")
     definition = opcode_def(opcode)
+    try:
+        _introduced(definition, version)
+    except StreamError as exc:
+        raise StreamError(f"command {index}: {exc}") from None
     table = getattr(raw, _camel(definition.slot))()
     if table is None:
         raise StreamError(f"command {index}: {opcode.name} has no {definition.slot} payload")
@@ -325,7 +355,10 @@ def decode_stream(data: bytes) -> CommandStream:
         n_buffers = _checked_length(root.BuffersLength(), 4, total, "buffer list")
         n_commands = _checked_length(root.CommandsLength(), 4, total, "command list")
         buffers = tuple(_decode_buffer(root.Buffers(i), total) for i in range(n_buffers))
-        commands = tuple(_decode_command(root.Commands(i), i, total) for i in range(n_commands))
+        commands = tuple(_decode_command(root.Commands(i), i, version) for i in range(n_commands))
+        wide = _int16_feature_map(commands) if version < DTYPE_SINCE else None
+        if wide is not None:
+            raise StreamError(f"{wide}: activation type INT16 is not defined in format {version[0]}.{version[1]}")
         return CommandStream(name=_text(root.Name()), config=_decode_hardware(root, version), buffers=buffers,
                              commands=commands, version=version)
     except StreamError:

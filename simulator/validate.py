@@ -13,7 +13,7 @@ import numpy as np
 
 from .config import NpuConfig
 from .errors import StreamError
-from .isa import BufferKind, CommandStream
+from .isa import BufferKind, CommandStream, feature_maps
 from .opcodes import opcode_def
 
 DTYPES = {"int8": 1, "uint8": 1, "int16": 2, "int32": 4}
@@ -48,6 +48,11 @@ def _check_command(stream: CommandStream, config: NpuConfig, index: int, command
     if not isinstance(command.payload, definition.payload):
         raise StreamError(f"{where}: payload is {type(command.payload).__name__}, expected "
                           f"{definition.payload.__name__}")
+    for name, fmap in feature_maps(command.payload):
+        if fmap.dtype not in definition.activations:
+            allowed = " or ".join(sorted(a.name for a in definition.activations))
+            raise StreamError(f"{where}: {name} holds {fmap.dtype.name} elements; {command.opcode.name} takes "
+                              f"{allowed}")
     definition.validate(stream, config, command.opcode, command.payload, where)
 
 

@@ -11,14 +11,21 @@ FIXTURES = TESTS / "fixtures"
 
 def tflite_manifest(imports: bool = True) -> list[dict]:
     """Fixture models npu_backend.load_tflite imports (or, with False, the ones it rejects): those TVM's own
-    importer accepts, and those whose operators npu_backend's converter adds (npu_backend.tflite_import)."""
+    importer accepts, and those whose operators npu_backend's converter adds (npu_backend.tflite_import);
+    16x8 models (MANIFEST ``activation_type`` int16) only if all their operators are 16x8 ones it imports."""
     from tvm.relax.frontend.tflite.tflite_frontend import OperatorConverter
 
     from npu_backend.tflite_import import NpuOperatorConverter
 
     added = NpuOperatorConverter._SUPPORTED_QUANTIZED_OPS - OperatorConverter._SUPPORTED_QUANTIZED_OPS
+
+    def imported(m: dict) -> bool:
+        if m.get("activation_type", "int8") == "int16":
+            return set(m["operators"]) <= NpuOperatorConverter.SIXTEEN_BY_EIGHT_OPS
+        return m["tvm_imports"] or set(m["operators"]) <= added
+
     models = json.loads((FIXTURES / "tflite" / "MANIFEST.json").read_text())["models"]
-    loaded = [m for m in models if m["tvm_imports"] or set(m["operators"]) <= added]
+    loaded = [m for m in models if imported(m)]
     return loaded if imports else [m for m in models if m not in loaded]
 
 

@@ -14,9 +14,12 @@ def layer_stream(p, config) -> CommandStream:
     """The stream of one layer, lowered exactly as a region's layer is (rules checked, planned, prepared)."""
     sb = StreamBuilder(config)
     binary = hasattr(p, "input2_scale")
-    shape_in = p.shape if binary or not hasattr(p, "ifm_shape") else p.ifm_shape
+    shape_in = p.ifm_shape if hasattr(p, "ifm_shape") else p.shape
     shape_out = p.shape if not hasattr(p, "ofm_shape") else p.ofm_shape
-    if binary:
+    if hasattr(p, "ifm2_shape"):  # two computed operands of their own shapes (batch matmul)
+        sources = [sb.add_buffer("ifm", BufferKind.INPUT, p.ifm_shape),
+                   sb.add_buffer("ifm2", BufferKind.INPUT, p.ifm2_shape)]
+    elif binary:
         sources = [sb.add_buffer("ifm", BufferKind.INPUT, p.shape),
                    None if p.input2_values.size else sb.add_buffer("ifm2", BufferKind.INPUT, p.shape)]
     else:

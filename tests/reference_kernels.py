@@ -81,6 +81,22 @@ def conv2d(x, w, bias, mult, shift, in_zp, out_zp, act, stride, dilation, paddin
               for oc, acc in enumerate(pixel)] for pixel in row] for row in accs]
 
 
+def multiply_by_quantized_multiplier_int64(x: int, multiplier: int, shift: int) -> int:
+    """TFLite's ``MultiplyByQuantizedMultiplier(int64_t x, ...)`` (internal/common.cc): the multiplier rounded to
+    16 bits, then one arithmetic shift right by ``15 - shift`` after adding half a step; the low 32 bits."""
+    reduced = (multiplier + (1 << 15)) >> 16 if multiplier < 0x7FFF0000 else 0x7FFF
+    total_shift = 15 - shift
+    return _wrap32((x * reduced + (1 << (total_shift - 1))) >> total_shift)  # Python's >> floors, as C++'s does
+
+
+def conv2d_16x8(x, w, bias, mult, shift, act, stride, dilation, padding):
+    """TFLite's reference_integer_ops::ConvPerChannel for int16 input and an int64 bias: exact accumulator,
+    no zero points (16x8 is symmetric), the int64 output stage, the clamp. Arguments as :func:`conv2d`."""
+    accs = _conv2d_accumulators(x, w, bias, 0, stride, dilation, padding, False)
+    return [[[min(max(multiply_by_quantized_multiplier_int64(acc, mult[oc], shift[oc]), act[0]), act[1])
+              for oc, acc in enumerate(pixel)] for pixel in row] for row in accs]
+
+
 def conv2d_onnxruntime(x, w, bias, s_in, w_scales, s_out, in_zp, out_zp, act, stride, dilation, padding,
                        depthwise=False):
     """The NPU's ONNXRUNTIME convolution: the exact accumulator times the double scale
@@ -439,4 +455,53 @@ def onnxruntime_global_average(x, s_in, zp_in, s_out, zp_out, act=(-128, 127)):
         for v in values[body:]:
             total = _float32(total + v)
         out.append(_clamp(onnxruntime_quantize(_float32(total / float(len(values))), s_out, zp_out), act))
+    return out
+
+
+def _c_div(a: int, b: int) -> int:
+    """C++ integer division: truncation toward zero."""
+    quotient = abs(a) // abs(b)
+    return quotient if (a >= 0) == (b > 0) else -quotient
+
+
+def resize_bilinear(x, out_h, out_w, align_corners=False, half_pixel_centers=False, single_rounding=False):
+    """TFLite reference int8 RESIZE_BILINEAR (reference_ops::ResizeBilinearInteger, resize_bilinear.h) of one
+    image x [H][W][C]: 10-bit fixed-point positions, four 20-bit weights, int64 sum, rounded (default build:
+    half away from zero; TFLITE_SINGLE_ROUNDING: + 2**19 whatever the sign), then truncated."""
+    h, w, c = len(x), len(x[0]), len(x[0][0])
+
+    def scale_10(size, out):
+        if align_corners and out > 1:
+            return _c_div((1 << 10) * (size - 1) + _c_div(out - 1, 2), out - 1)
+        return _c_div((1 << 10) * size + _c_div(out, 2), out)
+
+    def interpolation(value, scale, size):  # ComputeInterpolationValuesInteger
+        scaled = value * scale + _c_div(scale, 2) - (1 << 9) if half_pixel_centers else value * scale
+        return scaled, max(_c_div(scaled, 1 << 10), 0), min(_c_div(scaled + (1 << 10) - 1, 1 << 10), size - 1)
+
+    sy, sx = scale_10(h, out_h), scale_10(w, out_w)
+    out = [[[0] * c for _ in range(out_w)] for _ in range(out_h)]
+    for oy in range(out_h):
+        input_y, y0, y1 = interpolation(oy, sy, h)
+        for ox in range(out_w):
+            input_x, x0, x1 = interpolation(ox, sx, w)
+            dy, dx = input_y - (1 << 10) * y0, input_x - (1 << 10) * x0
+            for ch in range(c):
+                total = (x[y0][x0][ch] * ((1 << 10) - dy) * ((1 << 10) - dx) + x[y1][x0][ch] * dy * ((1 << 10) - dx)
+                         + x[y0][x1][ch] * ((1 << 10) - dy) * dx + x[y1][x1][ch] * dy * dx)
+                rounding = (1 << 19) if single_rounding or total > 0 else -(1 << 19)
+                out[oy][ox][ch] = _c_div(total + rounding, 1 << 20)
+    return out
+
+
+def batch_matmul(lhs, rhs, lhs_zp, rhs_zp, multiplier, shift, out_zp, adj_y=False):
+    """TFLite reference int8 BATCH_MATMUL (reference_ops::BatchMatMul): lhs [B][M][K] times rhs [B][K][N]
+    (adj_y: rhs [B][N][K], transposed), int32 sums of centred products, MultiplyByQuantizedMultiplier,
+    output zero point, int8 clamp."""
+    out = []
+    for a, b in zip(lhs, rhs):
+        columns = b if adj_y else [list(col) for col in zip(*b)]
+        out.append([[min(max(multiply_by_quantized_multiplier(
+            _wrap32(sum((u - lhs_zp) * (v - rhs_zp) for u, v in zip(row, col))), multiplier, shift) + out_zp,
+            -128), 127) for col in columns] for row in a])
     return out

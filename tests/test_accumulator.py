@@ -18,7 +18,7 @@ import reference_kernels as ref
 from layer_streams import layer_stream, random_params, run_layer
 from npu_backend.params import ConvParams, MeanParams, NpuOp, PoolParams
 from relax_idioms import ConvIdiom
-from simulator import ConfigError, Opcode, StreamError, decode_stream, encode_stream, get_config, run_stream
+from simulator import FORMAT_VERSION, ConfigError, Opcode, StreamError, decode_stream, encode_stream, get_config, run_stream
 from simulator.config import NpuConfig, load_config
 
 BASE = get_config("npu-256")
@@ -163,7 +163,7 @@ def test_json_and_toml_round_trip(tmp_path):
 def test_the_stream_carries_the_mode_and_runs_only_on_it():
     stream = layer_stream(_fc_params(), SAT14)
     decoded = decode_stream(encode_stream(stream))
-    assert decoded.config == SAT14 and decoded.version == (2, 1)
+    assert decoded.config == SAT14 and decoded.version == FORMAT_VERSION >= (2, 1)
     out, _ = run_stream(decoded, {"ifm": FC_X})
     np.testing.assert_array_equal(out["ofm"], np.array(FC_EXPECTED[SAT14], np.int8))
     with pytest.raises(StreamError, match="accumulator_overflow: saturate != wrap"):

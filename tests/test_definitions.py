@@ -112,6 +112,8 @@ def _relax_ops(pattern) -> set[str]:
         return own.union(*(_relax_ops(a) for a in pattern.args))
     if isinstance(pattern, (dpl.OrPattern, dpl.AndPattern)):
         return _relax_ops(pattern.left) | _relax_ops(pattern.right)
+    if isinstance(pattern, dpl.AttrPattern):  # an operator selected by attribute (a resize's method)
+        return _relax_ops(pattern.pattern)
     if isinstance(pattern, dpl.TuplePattern):
         return set().union(*(_relax_ops(f) for f in pattern.fields))
     return set()
@@ -126,7 +128,7 @@ def test_every_operator_a_pattern_matches_is_classified():
             for with_clip in (True, False):
                 used |= _relax_ops(idiom.build(with_clip)[0])
     assert used - set(RELAX_OPS) == set()
-    assert {"relax.nn.conv2d", "relax.nn.gelu", "relax.divide", "relax.exp"} <= used
+    assert {"relax.nn.conv2d", "relax.nn.gelu", "relax.divide", "relax.exp", "relax.image.resize2d"} <= used
 
 
 def test_every_operator_has_exactly_one_definition():

@@ -76,6 +76,7 @@ def expected_conv_composite(source_vars: list[str]):
         "npu.padding": [1, 0, 0, 0],
         "npu.rounding": "TFLITE_DOUBLE",  # a hand-built module: TFLite's reference, double rounding
         "npu.weight_axis": 0,
+        "npu.activation_type": "INT8",
         "npu.source_vars": source_vars,
         "npu.operands": [0],  # the composite's one parameter is its input; the weights are bound constants
     }

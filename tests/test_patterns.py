@@ -45,11 +45,13 @@ def test_registry_order_puts_fused_activation_first():
     n = len(clipped)
     # unclipped: an operator's idioms in its definition's order (the fixed-point chain before the QDQ form)
     assert names == clipped + ["npu.conv2d", "npu.conv2d", "npu.depthwise_conv2d", "npu.fully_connected",
-                               "npu.fully_connected", "npu.add", "npu.subtract", "npu.multiply", "npu.mean",
+                               "npu.fully_connected", "npu.batch_matmul", "npu.add", "npu.subtract", "npu.multiply",
+                               "npu.mean",
                                *pools] + [
         "npu.reshape", "npu.sigmoid", "npu.tanh", "npu.exp", "npu.gelu", "npu.gelu_tanh",
         "npu.hard_swish", "npu.leaky_relu", "npu.elu", "npu.requantize",
-        "npu.softmax", "npu.transpose", "npu.strided_slice", "npu.pad"] + ["npu.concat"] * 5
+        "npu.softmax", "npu.transpose", "npu.strided_slice", "npu.pad", "npu.resize_nearest",
+        "npu.resize_bilinear"] + ["npu.concat"] * 5
     root_op = lambda e: str(e.pattern).split('name="', 1)[1].split('"', 1)[0]  # noqa: E731
     assert {root_op(e) for e in entries[:n]} == {"relax.clip"}
     assert "relax.clip" not in {root_op(e) for e in entries[n:]}

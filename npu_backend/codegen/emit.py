@@ -47,14 +47,17 @@ class StreamBuilder:
                                                               sst, dst), layer))
 
     def feature_dma(self, layer: str, buffer: int, pixel_start: int, pixels: int, channels: int,
-                    channel_start: int, channel_count: int, sram_address: int, to_sram: bool) -> None:
-        """Move ``pixels`` NHWC pixels, restricted to a channel range, between DRAM and SRAM."""
-        offset = pixel_start * channels + channel_start
+                    channel_start: int, channel_count: int, sram_address: int, to_sram: bool,
+                    element_bytes: int = 1) -> None:
+        """Move ``pixels`` NHWC pixels, restricted to a channel range, between DRAM and SRAM (elements of
+        ``element_bytes``: 2 for int16 activations)."""
+        e = element_bytes
+        offset = (pixel_start * channels + channel_start) * e
         if channel_count == channels:
-            self.dma(layer, buffer, offset, sram_address, pixels * channels, to_sram=to_sram)
+            self.dma(layer, buffer, offset, sram_address, pixels * channels * e, to_sram=to_sram)
         else:
-            self.dma(layer, buffer, offset, sram_address, channel_count, rows=pixels,
-                     dram_stride=channels, sram_stride=channel_count, to_sram=to_sram)
+            self.dma(layer, buffer, offset, sram_address, channel_count * e, rows=pixels,
+                     dram_stride=channels * e, sram_stride=channel_count * e, to_sram=to_sram)
 
 
 def mac_program(opcode: Opcode):
@@ -90,10 +93,10 @@ def _emit_mac(sb: StreamBuilder, opcode: Opcode, p: ConvParams, plan: TilePlan, 
             if iy1 <= iy0:
                 raise UnsupportedOpError(f"{layer}: output rows {oy0}..{oy1} read only padding")
             sb.feature_dma(layer, src, iy0 * g.width, (iy1 - iy0) * g.width, g.in_channels, in_c0, in_ct,
-                           plan.ifm_address, to_sram=True)
+                           plan.ifm_address, to_sram=True, element_bytes=g.element_bytes)
             conv = Convolution(
-                ifm=FeatureMap(plan.ifm_address, iy1 - iy0, g.width, in_ct),
-                ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct),
+                ifm=FeatureMap(plan.ifm_address, iy1 - iy0, g.width, in_ct, p.activation_type),
+                ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct, p.activation_type),
                 weights_address=plan.weights_address, scale_bias_address=plan.scale_bias_address,
                 kernel=g.kernel, stride=g.strides, dilation=g.dilation,
                 padding=(pad_top, g.padding[1], pad_bottom, g.padding[3]),
@@ -101,7 +104,7 @@ def _emit_mac(sb: StreamBuilder, opcode: Opcode, p: ConvParams, plan: TilePlan, 
                 act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding)
             sb.commands.append(Command(opcode, conv, layer))
             sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
-                           plan.ofm_address, to_sram=False)
+                           plan.ofm_address, to_sram=False, element_bytes=g.element_bytes)
 
 
 def elementwise_program(opcode: Opcode):

@@ -71,7 +71,8 @@ def lower_region(func: relax.Function, symbol: str) -> CommandStream:
             layer = f"{params.op.value}_{layer_index}"
             layer_index += 1
             if binding.var not in values:
-                values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, _shape_of(binding.var))
+                values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, _shape_of(binding.var),
+                                                    str(binding.var.ty.dtype))
             sources = [values[value.args[int(i)]] if int(i) >= 0 else None for i in callee.attrs[OPERANDS_ATTR]]
             lower_layer(sb, params, layer, sources, values[binding.var])
     return CommandStream(name=symbol, config=config, buffers=tuple(sb.buffers),

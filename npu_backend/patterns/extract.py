@@ -21,12 +21,17 @@ import numpy as np
 from tvm import relax
 from tvm.ir.expr import Constant
 
+from simulator.isa import ACTIVATION_FORMATS, ActivationType
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
 from ..relax_exprs import static_shape
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
                       ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
+
+ACTIVATION_RANGES = {t: (int(np.iinfo(f.dtype).min), int(np.iinfo(f.dtype).max))
+                     for t, f in ACTIVATION_FORMATS.items()}
+"""Integer range of each activation type: where a fused ReLU/ReLU6 clamp is cut off."""
 
 BIAS_SCALE_RTOL = 1e-6
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
@@ -61,12 +66,13 @@ def _qparams(call, what: str, per_tensor: bool = True):
     return scales, zero_points, int(call.attrs.axis)
 
 
-def _clamp(annotations: Mapping[str, relax.Expr]) -> tuple[int, int]:
+def _clamp(annotations: Mapping[str, relax.Expr], bounds: tuple[int, int] = (-128, 127)) -> tuple[int, int]:
+    """The fused ReLU/ReLU6 clip as an integer clamp within ``bounds`` (the output type's range)."""
     clip = annotations.get("clip")
     if clip is None:
-        return (-128, 127)
+        return bounds
     low, high = (float(getattr(arg.value, "value", arg.value)) for arg in clip.args[1:3])
-    return (max(-128, int(np.ceil(low))), min(127, int(np.floor(high))))
+    return (max(bounds[0], int(np.ceil(low))), min(bounds[1], int(np.floor(high))))
 
 
 def _int8_qparams(call, what: str) -> tuple[float, int]:
@@ -89,6 +95,28 @@ def _input_and_output(annotations):
     if str(quantize.attrs.out_dtype) != "int8":
         raise UnsupportedOpError(f"output dtype {quantize.attrs.out_dtype} is not int8")
     return (x, in_scale, in_zp, *_int8_qparams(quantize, "output"))
+
+
+def _int16_qparams(call, what: str) -> tuple[float, int]:
+    """TFLite's 16x8 quantization is symmetric: an int16 activation's zero point must be 0 (its kernels add none)."""
+    scale, zero_point, _ = _qparams(call, what)
+    if zero_point[0] != 0:
+        raise QParamError(f"{what} zero point {zero_point[0]} of an int16 tensor must be 0 (TFLite's 16x8 "
+                          f"quantization is symmetric)")
+    return float(scale[0]), 0
+
+
+def _conv_input_and_output(annotations):
+    """(x, s_in, z_in, s_out, z_out, activation type) of a convolution: int8, or int16 in and out (TFLite's
+    16x8 mode, int8 weights; whether the NPU runs it is :func:`npu_backend.legality.sixteen_by_eight`'s call)."""
+    x, quantize = annotations["input"], annotations["quantize"]
+    if _dtype(x) != "int16":
+        return (*_input_and_output(annotations), ActivationType.INT8)
+    if str(quantize.attrs.out_dtype) != "int16":
+        raise UnsupportedOpError(f"output dtype {quantize.attrs.out_dtype} of an int16 convolution is not int16 "
+                                 f"(16x8 keeps int16 activations)")
+    return (x, *_int16_qparams(annotations["input_dq"], "input"), *_int16_qparams(quantize, "output"),
+            ActivationType.INT16)
 
 
 def _weights(annotations, out_channels: int, oc_axis_after: int):
@@ -145,7 +173,7 @@ def _conv_common(annotations, op: NpuOp) -> ConvParams:
     conv = annotations["anchor"]
     attrs = conv.attrs
     layouts = (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout))
-    x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
+    x, in_scale, in_zp, out_scale, out_zp, activation_type = _conv_input_and_output(annotations)
     ifm_shape, ofm_shape = _shape(x), _shape(conv)
     if len(ifm_shape) != 4 or ifm_shape[0] != 1:
         raise UnsupportedOpError(f"input shape {list(ifm_shape)} is not a batch-1 NHWC image")
@@ -175,10 +203,11 @@ def _conv_common(annotations, op: NpuOp) -> ConvParams:
         op=op, ifm_shape=ifm_shape, ofm_shape=ofm_shape, input_scale=in_scale, input_zero_point=in_zp,
         weight_scales=scales, weight_zero_points=zps, per_channel=per_channel,
         weights=np.ascontiguousarray(weights), bias=_bias(annotations, in_scale, scales),
-        output_scale=out_scale, output_zero_point=out_zp, clamp=_clamp(annotations),
+        output_scale=out_scale, output_zero_point=out_zp,
+        clamp=_clamp(annotations, ACTIVATION_RANGES[activation_type]),
         kernel=(int(weights.shape[1]), int(weights.shape[2])),
         strides=tuple(int(s) for s in attrs.strides), dilation=tuple(int(d) for d in attrs.dilation),
-        padding=padding, rounding=Rounding.TFLITE_DOUBLE)
+        padding=padding, rounding=Rounding.TFLITE_DOUBLE, activation_type=activation_type)
 
 
 def extract_conv2d(annotations: Mapping[str, relax.Expr]) -> ConvParams:

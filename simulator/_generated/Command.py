@@ -119,7 +119,29 @@ class Command(object):
             return obj
         return None
 
-def CommandStart(builder): builder.StartObject(9)
+    # Command
+    def Resize(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(22))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .Resize import Resize
+            obj = Resize()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+    # Command
+    def Matmul(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(24))
+        if o != 0:
+            x = self._tab.Indirect(o + self._tab.Pos)
+            from .MatMul import MatMul
+            obj = MatMul()
+            obj.Init(self._tab.Bytes, x)
+            return obj
+        return None
+
+def CommandStart(builder): builder.StartObject(11)
 def Start(builder):
     return CommandStart(builder)
 def CommandAddOpcode(builder, opcode): builder.PrependUint8Slot(0, opcode, 0)
@@ -149,6 +171,12 @@ def AddLut(builder, lut):
 def CommandAddSoftmax(builder, softmax): builder.PrependUOffsetTRelativeSlot(8, flatbuffers.number_types.UOffsetTFlags.py_type(softmax), 0)
 def AddSoftmax(builder, softmax):
     return CommandAddSoftmax(builder, softmax)
+def CommandAddResize(builder, resize): builder.PrependUOffsetTRelativeSlot(9, flatbuffers.number_types.UOffsetTFlags.py_type(resize), 0)
+def AddResize(builder, resize):
+    return CommandAddResize(builder, resize)
+def CommandAddMatmul(builder, matmul): builder.PrependUOffsetTRelativeSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(matmul), 0)
+def AddMatmul(builder, matmul):
+    return CommandAddMatmul(builder, matmul)
 def CommandEnd(builder): return builder.EndObject()
 def End(builder):
     return CommandEnd(builder)

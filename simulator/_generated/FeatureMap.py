@@ -56,7 +56,14 @@ class FeatureMap(object):
             return self._tab.Get(flatbuffers.number_types.Int32Flags, o + self._tab.Pos)
         return 0
 
-def FeatureMapStart(builder): builder.StartObject(4)
+    # FeatureMap
+    def Dtype(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(12))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 0
+
+def FeatureMapStart(builder): builder.StartObject(5)
 def Start(builder):
     return FeatureMapStart(builder)
 def FeatureMapAddAddress(builder, address): builder.PrependUint32Slot(0, address, 0)
@@ -71,6 +78,9 @@ def AddWidth(builder, width):
 def FeatureMapAddChannels(builder, channels): builder.PrependInt32Slot(3, channels, 0)
 def AddChannels(builder, channels):
     return FeatureMapAddChannels(builder, channels)
+def FeatureMapAddDtype(builder, dtype): builder.PrependUint8Slot(4, dtype, 0)
+def AddDtype(builder, dtype):
+    return FeatureMapAddDtype(builder, dtype)
 def FeatureMapEnd(builder): return builder.EndObject()
 def End(builder):
     return FeatureMapEnd(builder)

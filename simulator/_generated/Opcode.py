@@ -15,3 +15,5 @@ class Opcode(object):
     SUB = 9
     MUL = 10
     SOFTMAX = 11
+    RESIZE_BILINEAR = 12
+    BATCH_MATMUL = 13
