@@ -5,6 +5,7 @@ Measures, on the bundled MobileNetV2 fixture (alpha 0.35, 96x96, int8):
   * LiteRT BUILTIN_REF: TFLite's reference kernels (the golden oracle);
   * LiteRT default: the optimized kernels (XNNPACK / ruy);
   * TVM CPU: the same imported module built by TVM for the host alone (float QDQ).
+plus the simulator alone (the region's stream run directly, and run on 16 samples at a time),
 and prints milliseconds per inference, the ratios, and the simulated NPU time
 (cycles at the preset's clock), which is what the hardware would take.
 
@@ -23,9 +24,15 @@ from ai_edge_litert.interpreter import Interpreter, OpResolverType
 from tvm import relax
 
 import npu_backend
+from npu_backend.codegen.lower import lower_module
+from simulator import BufferKind, run_stream
+from simulator.batch import run_stream_batch
 from simulator.config import resolve_config
 
 MODEL = Path(__file__).resolve().parent.parent / "tests" / "fixtures" / "tflite" / "mobilenet_v2_035_96.tflite"
+
+
+BATCH = 16
 
 
 def _best_of(fn, runs: int) -> float:
@@ -68,7 +75,19 @@ def main() -> None:
     exact = np.array_equal(npu_out, run_litert(interpreters["litert_ref"]))
 
     cpu_exact = int(np.count_nonzero(cpu_vm["main"](tx).numpy() != run_litert(interpreters["litert_ref"])))
+    # The simulator alone: the region's command stream run directly, one sample, and a batch of them
+    # (simulator.batch, equal output for output to one run each), per sample.
+    config = resolve_config(args.preset)
+    (stream,) = lower_module(npu_backend.partition_for_npu(mod, args.preset)).values()
+    (name,) = [b.name for _, b in stream.buffers_of(BufferKind.INPUT)]
+    batch = np.random.default_rng(1).integers(-128, 128, (BATCH, *x.shape), dtype=np.int8)
+    batch[0] = x
+    stream_exact = np.array_equal(run_stream(stream, {name: x}, config)[0]["output0"], npu_out)
+    batch_exact = np.array_equal(run_stream_batch(stream, {name: batch}, config)[0]["output0"][0], npu_out)
     timings = {"npu_sim": _best_of(lambda: vm["main"](tx), args.runs),
+               "sim_stream": _best_of(lambda: run_stream(stream, {name: x}, config), args.runs),
+               f"sim_batch{BATCH}": _best_of(lambda: run_stream_batch(stream, {name: batch}, config),
+                                             max(1, args.runs // 4)) / BATCH,
                "tvm_cpu": _best_of(lambda: cpu_vm["main"](tx), args.runs)}
     for name, interpreter in interpreters.items():
         timings[name] = _best_of(lambda i=interpreter: run_litert(i), args.runs)
@@ -78,12 +97,15 @@ def main() -> None:
     for name, ms in timings.items():
         print(f"  {name:<11} {ms:9.2f} ms/inference")
     print(f"  ratio npu_sim / litert_ref = {timings['npu_sim'] / timings['litert_ref']:.2f}")
+    print(f"  ratio sim_stream / litert_ref = {timings['sim_stream'] / timings['litert_ref']:.2f} "
+          f"(sim_stream: the simulator alone; sim_batch{BATCH}: per sample, {BATCH} at a time)")
     print(f"  ratio npu_sim / litert_opt = {timings['npu_sim'] / timings['litert_opt']:.2f}")
     print(f"  ratio npu_sim / tvm_cpu    = {timings['npu_sim'] / timings['tvm_cpu']:.2f}")
     print(f"simulated NPU ({args.preset}): {prof.total_cycles} cycles = {prof.total_cycles / clock / 1e3:.3f} ms "
           f"at {clock} MHz, {prof.total_macs} MACs, {prof.total_dram_bytes} DMA bytes, "
           f"{len(prof.runs)} NPU calls")
-    print(f"output bit-exact with litert_ref: npu_sim {exact}; tvm_cpu differs on {cpu_exact} of 1000")
+    print(f"output bit-exact with litert_ref: npu_sim {exact}; tvm_cpu differs on {cpu_exact} of 1000; "
+          f"sim_stream and sim_batch{BATCH} equal npu_sim: {stream_exact and batch_exact}")
 
 
 if __name__ == "__main__":

@@ -236,3 +236,31 @@ def test_bias_correction_takes_back_the_mean_error_of_coarse_weights():
     assert corrected.report.output_sqnr_db > plain.report.output_sqnr_db + 1.0
     shift = corrected._plan.weights[0].bias.astype(np.int64) - plain._plan.weights[0].bias
     assert np.any(shift != 0)
+
+
+def test_onnx_clips_of_several_shapes_are_fused_activations():
+    """TVM's ONNX importer legalizes each further shape's Clip bounds as ``maximum1``, ``minimum1``, ...: every
+    one is still the convolution's ReLU6, not a host layer."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from npu_backend.quantization.layers import cut_layers
+
+    rng = np.random.default_rng(2)
+    inits = [numpy_helper.from_array(np.array(0.0, np.float32), "lo"),
+             numpy_helper.from_array(np.array(6.0, np.float32), "hi")]
+    nodes, x = [], "x"
+    for k, (cin, cout, stride) in enumerate([(3, 4, 2), (4, 6, 2), (6, 8, 1)]):
+        inits += [numpy_helper.from_array(rng.normal(0, 0.5, (cout, cin, 3, 3)).astype(np.float32), f"w{k}"),
+                  numpy_helper.from_array(np.zeros(cout, np.float32), f"b{k}")]
+        nodes += [helper.make_node("Conv", [x, f"w{k}", f"b{k}"], [f"c{k}"], kernel_shape=[3, 3], pads=[1] * 4,
+                                   strides=[stride] * 2),
+                  helper.make_node("Clip", [f"c{k}", "lo", "hi"], [f"r{k}"])]
+        x = f"r{k}"
+    graph = helper.make_graph(nodes, "clips", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 16, 16])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, 8, 4, 4])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    from tvm.relax.frontend.onnx import from_onnx
+
+    layers, _ = cut_layers(from_onnx(model, keep_params_in_input=False)["main"])
+    assert [(layer.kind.name, layer.clamp) for layer in layers] == [("conv2d", (0.0, 6.0))] * 3

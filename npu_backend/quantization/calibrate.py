@@ -26,6 +26,7 @@ from .config import QConfig
 from .layers import Layer, Output, function_outputs, resolve
 from .observers import RangeRequest, TensorStats, activation_qparams, choose_range, quantize_weights
 from .rewrite import TensorQ, WeightQ
+from .batched_float import finished_chunks
 from .steps import FloatLayers, NpuLayer, dequantize_host, quantize_host
 
 FIXED_OUTPUTS = {"sigmoid": LOGISTIC_OUTPUT, "tanh": TANH_OUTPUT, "softmax": SOFTMAX_OUTPUT}
@@ -70,9 +71,10 @@ class _Energy:
         self.noise = 0.0
 
     def add(self, reference: np.ndarray, value: np.ndarray) -> None:
-        reference = reference.astype(np.float64)
-        self.signal += float(np.sum(reference * reference))
-        self.noise += float(np.sum((reference - value.astype(np.float64)) ** 2))
+        reference = reference.astype(np.float64).reshape(-1)
+        self.signal += float(np.dot(reference, reference))
+        reference -= value.reshape(-1)
+        self.noise += float(np.dot(reference, reference))
 
     @property
     def db(self) -> float:
@@ -189,20 +191,24 @@ def _dequantized(wq: WeightQ) -> tuple[np.ndarray, np.ndarray | None]:
     return weight, bias
 
 
-def _accumulator_peaks(layer: Layer, accumulators: list[np.ndarray], input_q: TensorQ, wq: WeightQ) -> np.ndarray:
+def _accumulator_peaks(layer: Layer, chunks, input_q: TensorQ, wq: WeightQ) -> np.ndarray:
     """Per output channel, the largest |accumulator| the NPU's integer sum reaches (rounded from float)."""
     channels = layer.weight.shape[layer.weight_axis]
     per = np.broadcast_to((np.float32(input_q.scale) * wq.scales).astype(np.float64), (channels,))
-    peaks = np.zeros(channels)
-    for acc in accumulators:
-        peaks = np.maximum(peaks, np.max(np.abs(np.rint(_by_channel(acc, channels) / per)), axis=0))
-    return peaks
+    # |rint(v / per)| is largest at the smallest or the largest v (division by per > 0 and rint are monotone).
+    low, high = np.full(channels, np.inf), np.full(channels, -np.inf)
+    for accumulators, _ in chunks():
+        axis = _channel_axis(accumulators, channels)
+        others = tuple(a for a in range(accumulators.ndim) if a != axis)
+        low = np.minimum(low, np.min(accumulators, axis=others))
+        high = np.maximum(high, np.max(accumulators, axis=others))
+    return np.maximum(np.abs(np.rint(low / per)), np.abs(np.rint(high / per)))
 
 
-def _by_channel(acc: np.ndarray, channels: int) -> np.ndarray:
-    """An accumulator as rows of ``channels`` values (NHWC or [N, C] keep channels last; NCHW has them at 1)."""
-    axis = acc.ndim - 1 if acc.shape[-1] == channels else 1
-    return np.moveaxis(acc.astype(np.float64), axis, -1).reshape(-1, channels)
+def _channel_axis(batch: np.ndarray, channels: int) -> int:
+    """The channel axis of a batch ``[samples, *shape]`` of accumulators: NHWC or [N, C] keep channels last,
+    NCHW has them after the sample axis and the batch of 1."""
+    return batch.ndim - 1 if batch.shape[-1] == channels else 2
 
 
 def _constants(layer: Layer) -> dict:
@@ -227,46 +233,45 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     hvals: dict = {}
     records: list = []
     layer_stats: dict = {}
+    # Every tensor's values over the calibration set are one array [samples, *shape]: each layer runs once
+    # for all samples (iterating such an array gives the samples in order, as the per-sample steps need).
     for k, param in enumerate(ctx.func.params):
-        fvals[param] = [s[k] for s in samples]
+        fvals[param] = np.stack([s[k] for s in samples])
         if ctx.has_q_point(param, plan):
             if calibrating:
                 plan.tensors[param] = _choose(ctx, None, fvals[param], plan, param.name, records)
-            qvals[param] = [quantize_host(x, plan.tensors[param]) for x in fvals[param]]
+            qvals[param] = quantize_host(fvals[param], plan.tensors[param])
         else:
             hvals[param] = fvals[param]
 
-    def value(var) -> list[np.ndarray]:
+    def value(var) -> np.ndarray:
         if var in qvals:
-            return [dequantize_host(x, plan.tensors[var]) for x in qvals[var]]
+            return dequantize_host(qvals[var], plan.tensors[var])
         return hvals[var]
 
     for layer in ctx.layers:
         stats = LayerStats()
         weight = layer.weight
         consts = [d for d in layer.constants.values()]
-        references, float_accumulators = [], []
-        for n in range(len(samples) if reference else 0):
-            acc, y = ctx.float.run(layer, [fvals[v][n] for v in layer.inputs], weight, layer.bias, consts)
-            references.append(y)
-            float_accumulators.append(acc)
+        references = float_accumulators = None
+        if reference:
+            float_accumulators, references = ctx.float.run_batch(layer, [fvals[v] for v in layer.inputs], weight,
+                                                                 layer.bias, consts)
         fvals[layer.output] = references
         if ctx.quantized(layer, plan):
-            _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, len(samples),
-                           float_accumulators)
-            model_value = [dequantize_host(x, plan.tensors[layer.output]) for x in qvals[layer.output]]
+            _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, float_accumulators)
+            model_value = (dequantize_host(q, plan.tensors[layer.output]) for q in qvals[layer.output])
         else:
             inputs = [value(v) for v in layer.inputs]
-            out = [ctx.float.run(layer, [x[n] for x in inputs], weight, layer.bias, consts)[1]
-                   for n in range(len(samples))]
+            out = ctx.float.run_batch(layer, inputs, weight, layer.bias, consts)[1]
             hvals[layer.output] = out
             if ctx.has_q_point(layer.output, plan):
                 if calibrating:
                     plan.tensors[layer.output] = _choose(ctx, None, out, plan, layer.output.name, records)
-                qvals[layer.output] = [quantize_host(x, plan.tensors[layer.output]) for x in out]
+                qvals[layer.output] = quantize_host(out, plan.tensors[layer.output])
             model_value = out
         energy = _Energy()
-        for ref, got in zip(references, model_value):
+        for ref, got in zip(references if references is not None else (), model_value):
             energy.add(ref, got)
         stats.sqnr_db = energy.db
         layer_stats[layer.index] = stats
@@ -292,18 +297,21 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     return outputs, floats, layer_stats, records
 
 
-def _bias_shift(layer: Layer, float_accumulators: list, accumulators: list) -> np.ndarray:
+def _bias_shift(layer: Layer, float_accumulators: np.ndarray, chunks) -> np.ndarray:
     """Per output channel, the mean of (float model's accumulator - quantized model's) over the calibration set:
     the systematic error of the weights' rounding and of everything upstream, which a bias can take back."""
     channels = layer.weight.shape[layer.weight_axis]
-    diffs = [_by_channel(ref, channels) - _by_channel(got, channels)
-             for ref, got in zip(float_accumulators, accumulators)]
-    return np.concatenate(diffs).mean(axis=0)
+    axis = _channel_axis(float_accumulators, channels)
+    others = tuple(a for a in range(float_accumulators.ndim) if a != axis)
+    total = np.sum(float_accumulators, axis=others, dtype=np.float64)
+    for accumulators, _ in chunks():
+        total -= np.sum(accumulators, axis=others, dtype=np.float64)
+    return total / (float_accumulators.size // channels)
 
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, calibrating: bool,
-                   records: list, count: int, float_accumulators: list) -> None:
+                   records: list, float_accumulators: np.ndarray | None) -> None:
     if calibrating:
-        _calibrate_layer(ctx, layer, plan, stats, value, records, count, float_accumulators)
+        _calibrate_layer(ctx, layer, plan, stats, value, records, float_accumulators)
     inputs_q = [plan.tensors[v] for v in layer.inputs]
     constants = plan.constants.get(layer.index, {})
     wq = plan.weights.get(layer.index)
@@ -313,16 +321,13 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
         npu.key = _key(layer, plan)
         ctx.npu_cache[layer.index] = npu
     stats.on_npu = npu.on_npu
-    outs = []
-    for n in range(count):
-        out, overflows = npu.run([qvals[v][n] for v in layer.inputs])
-        stats.overflows += overflows
-        outs.append(out)
-    qvals[layer.output] = outs
+    out, overflows = npu.run_batch([qvals[v] for v in layer.inputs])
+    stats.overflows += overflows
+    qvals[layer.output] = out
 
 
-def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, records: list, count: int,
-                     float_accumulators: list) -> None:
+def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, records: list,
+                     float_accumulators: np.ndarray | None) -> None:
     """Quantize the layer's weights and constants, observe it on its quantized inputs, correct its bias, fit its
     accumulator and choose its output qparams: every decision about it, into ``plan``."""
     config = ctx.config
@@ -332,19 +337,28 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     dq_inputs = [value(v) for v in layer.inputs]
     dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
 
-    def observe():
-        w, b = _dequantized(wq) if wq is not None else (None, None)
-        results = [ctx.float.run(layer, [x[n] for x in dq_inputs], w, b, dq_consts) for n in range(count)]
-        return [r[0] for r in results], [r[1] for r in results]
+    memo: dict = {}
 
-    accumulators, outputs = observe()
+    def observe():
+        """The layer over the calibration set as a source of (accumulators, outputs) chunks, samples in order. A
+        numpy layer's sums are computed once per weight (a new bias alone reuses them) and finished chunk by
+        chunk whenever the chunks are read; a TVM layer gives one chunk."""
+        w, b = _dequantized(wq) if wq is not None else (None, None)
+        if wq is not None and ctx.float.plans[layer.index] is not None:
+            if memo.get("weight") is not wq.weight or memo.get("scales") is not wq.scales:
+                memo.update(weight=wq.weight, scales=wq.scales, sums=ctx.float.sums(layer, dq_inputs, w))
+            return lambda sums=memo["sums"]: finished_chunks(layer, sums, b)
+        pair = ctx.float.run_batch(layer, dq_inputs, w, b, dq_consts)
+        return lambda: iter([pair])
+
+    chunks = observe()
     if wq is not None:
         if config.bias_correction and layer.bias is not None:
-            shift = _bias_shift(layer, float_accumulators, accumulators)
+            shift = _bias_shift(layer, float_accumulators, chunks)
             corrected = _int32(wq.bias + shift / np.broadcast_to(wq.bias_scales, shift.shape).astype(np.float64))
             wq = WeightQ(wq.weight, wq.scales, wq.axis, corrected, wq.bias_scales)
-            accumulators, outputs = observe()
-        peaks = _accumulator_peaks(layer, accumulators, input_q, wq)
+            chunks = observe()
+        peaks = _accumulator_peaks(layer, chunks, input_q, wq)
         limit = 2 ** (config.accumulator_bits - 1) - 1
         if config.avoid_overflow and peaks.max() > limit:
             widened = np.zeros(peaks.shape, bool)
@@ -359,12 +373,13 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
                 if config.power_of_two:
                     scales = (2.0 ** np.ceil(np.log2(scales))).astype(np.float32)
                 wq = _weights(layer, config, input_q, scales)
-                accumulators, outputs = observe()
-                peaks = _accumulator_peaks(layer, accumulators, input_q, wq)
+                chunks = observe()
+                peaks = _accumulator_peaks(layer, chunks, input_q, wq)
             stats.widened_channels = int(widened.sum())
             stats.overflow_unfixable = bool(peaks.max() > limit)
         stats.accumulator_peak = int(peaks.max())
         plan.weights[layer.index] = wq
+    outputs = (sample for _, chunk in chunks() for sample in chunk)
     plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
 
 

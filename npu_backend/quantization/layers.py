@@ -167,7 +167,8 @@ def _tir_bound(call, folded: dict):
     """``call_tir(maximum|minimum, (x, scalar constant))``: ONNX Clip as TVM's importer lowers it."""
     if not is_call(call, "relax.call_tir") or not isinstance(call.args[0], tvm.ir.GlobalVar):
         return None
-    name = call.args[0].name_hint
+    # TVM names the legalized PrimFunc of each further shape maximum1, maximum2, ...
+    name = call.args[0].name_hint.rstrip("0123456789")
     operands = call.args[1]
     if name not in ("maximum", "minimum") or not isinstance(operands, relax.Tuple) or len(operands.fields) != 2:
         return None

@@ -46,15 +46,8 @@ def _is_real(value) -> bool:
     return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, (bool, np.bool_))
 
 
-def _finite_floats(values, what: str) -> np.ndarray:
-    """``values`` flattened to float64; NaN or infinity has no place on a quantization grid, so it raises."""
-    array = np.asarray(values)
-    if array.dtype.kind not in "fiu":
-        raise NpuError(f"{what} must be real numbers, not {array.dtype}")
-    array = array.astype(np.float64, copy=False).reshape(-1)
-    if not np.all(np.isfinite(array)):
-        raise NpuError(f"{what} holds NaN or infinite values")
-    return array
+UPDATE_BLOCK = 1 << 16
+"""Values :meth:`TensorStats.update` converts to float64 at a time (512 KiB, reused)."""
 
 
 @dataclass(eq=False)
@@ -96,25 +89,47 @@ class TensorStats:
 
     def update(self, values) -> None:
         """Add a batch of values (any shape). NaN or infinity raises :class:`NpuError`; nothing is skipped."""
-        x = _finite_floats(values, "calibration values")
-        if x.size == 0:
+        # The values' own type serves the extremes and the zeros (exact in any type); a float64 block buffer
+        # serves the deviations from the mean, then the bin indices.
+        values = np.asarray(values)
+        if values.dtype.kind not in "fiu":
+            raise NpuError(f"calibration values must be real numbers, not {values.dtype}")
+        values = values.reshape(-1)
+        if values.size == 0:
             return
-        low, high = min(self.min, float(x.min())), max(self.max, float(x.max()))
+        smallest, largest = values.min(), values.max()
+        if not (np.isfinite(smallest) and np.isfinite(largest)):  # a NaN anywhere makes both NaN
+            raise NpuError("calibration values holds NaN or infinite values")
+        low, high = min(self.min, float(smallest)), max(self.max, float(largest))
         if max(-low, high) > self._range:
             self._widen(max(-low, high))  # first, so that a failure leaves the statistics as they were
-        n, mean = x.size, float(np.mean(x))
+        n = values.size
+        mean = float(np.sum(values, dtype=np.float64)) / n
+        blocks = [values[start:start + UPDATE_BLOCK] for start in range(0, n, UPDATE_BLOCK)]
+        x = np.empty(min(n, UPDATE_BLOCK))  # one cache-sized float64 buffer for every pass below
+        squares = 0.0
+        for block in blocks:
+            v = x[:block.size]
+            np.subtract(block, mean, out=v, dtype=np.float64)
+            squares += float(np.dot(v, v))
         total = self.count + n
         delta = mean - self._mean
         self._mean += delta * n / total
-        self._m2 += float(np.sum((x - mean) ** 2)) + delta * delta * self.count * n / total
+        self._m2 += squares + delta * delta * self.count * n / total
         self.count, self.min, self.max = total, low, high
-        self.zeros += int(np.count_nonzero(x == 0.0))
+        self.zeros += int(np.count_nonzero(values == 0))
         half = self.bins // 2
         if self._range == 0.0:  # all zeros so far: they belong to the bin [0, w) of whatever grid comes
             self._counts[half] += n
             return
-        index = np.floor(x * (half / self._range)).astype(np.int64) + half
-        self._counts += np.bincount(np.clip(index, 0, self.bins - 1), minlength=self.bins)
+        scale = half / self._range
+        for block in blocks:  # bin index floor(x * scale) + half, clipped: as on a float64 copy of the values
+            v = x[:block.size]
+            np.multiply(block, scale, out=v, dtype=np.float64)
+            np.floor(v, out=v)
+            v += half
+            np.clip(v, 0, self.bins - 1, out=v)
+            self._counts += np.bincount(v.astype(np.intp), minlength=self.bins)
 
     def _widen(self, absmax: float) -> None:
         """Grow the histogram's range to ``k * R`` (``k`` the smallest integer covering ``absmax``).

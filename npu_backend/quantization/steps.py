@@ -20,12 +20,18 @@ import tvm
 from tvm import relax
 
 from simulator.config import NpuConfig
+from simulator.batch import run_stream_batch
 from simulator.machine import run_stream
 
 from ..reference import SOURCE_ATTR
+from .batched_float import finish, plan_weighted
 from .layers import Layer
 from .rewrite import (Operands, TensorQ, WeightQ, const, dequantize, dequantized_bias, dequantized_weight, emit_layer,
                       quantize)
+
+
+NPU_BATCH = 128
+"""Calibration samples one simulator call runs (memory grows with it: N copies of SRAM and of the layer's tensors)."""
 
 
 def _tensor_var(name: str, shape, dtype: str) -> relax.Var:
@@ -45,10 +51,23 @@ class FloatLayers:
     """Every layer as a float function ``layer_i(inputs..., [weight, bias], constants...)``, compiled once.
 
     A weighted layer returns ``(accumulator, output)``: the sum before its clamp is what the NPU's
-    accumulator holds, so its peak is read from it.
+    accumulator holds, so its peak is read from it. Convolution and matmul layers are computed for all samples
+    at once with numpy's BLAS (:mod:`.batched_float`); the others are compiled by TVM (those only) and run
+    sample by sample.
     """
 
     def __init__(self, layers: list[Layer], folded: dict):
+        self.plans = {layer.index: plan_weighted(layer) for layer in layers}
+        self._layers, self._folded, self._vm = layers, folded, None
+
+    @property
+    def vm(self) -> relax.VirtualMachine:
+        if self._vm is None:
+            self._vm = self._compile([layer for layer in self._layers if self.plans[layer.index] is None], self._folded)
+        return self._vm
+
+    @staticmethod
+    def _compile(layers: list[Layer], folded: dict) -> relax.VirtualMachine:
         bb = relax.BlockBuilder()
         for layer in layers:
             params = [_tensor_var(f"x{k}", _shape(v), "float32") for k, v in enumerate(layer.inputs)]
@@ -74,7 +93,27 @@ class FloatLayers:
                     else:
                         result = bb.emit_output(out)
                 bb.emit_func_output(result)
-        self.vm = relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
+        if not layers:
+            return None
+        return relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
+
+    def sums(self, layer: Layer, inputs: list[np.ndarray], weight: np.ndarray):
+        """A weighted layer's anchor (before bias and clamp) on a batch ``[N, *shape]``; None if TVM runs it."""
+        plan = self.plans[layer.index]
+        return None if plan is None else plan.sums(inputs[0], weight)
+
+    def run_batch(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=(), sums=None):
+        """(accumulator or None, output) of the layer for a batch of samples (each input ``[N, *shape]``).
+
+        ``sums``: the layer's :meth:`sums` for these inputs and weight, when the caller has them already.
+        """
+        if self.plans[layer.index] is not None:
+            if sums is None:
+                return finish(layer, self.sums(layer, inputs, weight), bias, reuse=True)
+            return finish(layer, sums, bias)
+        results = [self.run(layer, [x[n] for x in inputs], weight, bias, constants) for n in range(len(inputs[0]))]
+        outputs = np.stack([r[1] for r in results])
+        return (None if layer.weight is None else np.stack([r[0] for r in results])), outputs
 
     def run(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=()):
         """The layer's float output (and accumulator, for a weighted layer) for one sample."""
@@ -90,14 +129,38 @@ class FloatLayers:
         return None, result.numpy()
 
 
+HOST_BLOCK = 1 << 16
+"""Values the host quantize/dequantize convert at a time (in cache, through one reused buffer)."""
+
+
+def _blocks(size: int):
+    return (slice(start, start + HOST_BLOCK) for start in range(0, size, HOST_BLOCK))
+
+
 def quantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
     """TVM's host ``quantize``: ``clip(round_half_even(x / scale) + zp)`` in float32."""
-    scaled = np.asarray(x, np.float32) / np.float32(q.scale)
-    return np.clip(np.rint(scaled) + q.zero_point, -128, 127).astype(np.int8)
+    x = np.asarray(x)
+    flat, out = x.reshape(-1), np.empty(x.shape, np.int8)
+    buffer = np.empty(min(flat.size, HOST_BLOCK), np.float32)
+    for part in _blocks(flat.size):
+        scaled = buffer[:len(flat[part])]
+        np.divide(flat[part], np.float32(q.scale), out=scaled, dtype=np.float32)
+        np.rint(scaled, out=scaled)
+        scaled += np.float32(q.zero_point)
+        np.clip(scaled, -128, 127, out=scaled)
+        out.reshape(-1)[part] = scaled
+    return out
 
 
 def dequantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
-    return ((x.astype(np.int32) - q.zero_point).astype(np.float32) * np.float32(q.scale)).astype(np.float32)
+    """TVM's host ``dequantize``: ``(x - zp) * scale`` in float32 (``x - zp`` is exact in float32 for int8)."""
+    x = np.asarray(x)
+    flat, out = x.reshape(-1), np.empty(x.shape, np.float32)
+    values = out.reshape(-1)
+    for part in _blocks(flat.size):
+        np.subtract(flat[part], np.float32(q.zero_point), out=values[part], dtype=np.float32)
+        values[part] *= np.float32(q.scale)
+    return out
 
 
 class NpuLayer:
@@ -145,6 +208,23 @@ class NpuLayer:
         else:
             executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm")
             self.vm = relax.VirtualMachine(executable, tvm.cpu())
+
+    def run_batch(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
+        """The int8 outputs for a batch of samples (each input ``[N, *shape]``), and how many accumulators
+        overflowed computing them: the stream runs on :data:`NPU_BATCH` samples at a time
+        (:func:`simulator.batch.run_stream_batch`, equal to one run per sample); a layer TVM builds runs per
+        sample."""
+        count = len(inputs[0])
+        if self.stream is None:
+            results = [self.run([x[n] for x in inputs]) for n in range(count)]
+            return np.stack([r[0] for r in results]), sum(r[1] for r in results)
+        outputs, overflows = [], 0
+        for start in range(0, count, NPU_BATCH):
+            feeds = {name: np.ascontiguousarray(x[start:start + NPU_BATCH]) for name, x in zip(self.names, inputs)}
+            out, stats = run_stream_batch(self.stream, feeds, self.config)
+            outputs.append(out["output0"])
+            overflows += stats.total_overflows
+        return np.concatenate(outputs), overflows
 
     def run(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 output for one sample, and how many accumulators overflowed computing it."""

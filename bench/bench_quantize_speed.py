@@ -1,0 +1,228 @@
+"""How long quantizing a float MobileNetV2-1.0-224 takes: ``npu_backend.quantize`` against onnxruntime's
+``quantize_static``, in the same run.
+
+The float model is built here (``bench/mobilenet_v2_onnx.py``: standard topology, seeded He-initialised weights,
+no download, no TensorFlow) and written to a temporary directory; both quantizers get the same 100 seeded random
+calibration inputs:
+
+  - onnxruntime ``quantize_static`` (QDQ, per-channel, int8, MinMax), the inputs through a
+    ``CalibrationDataReader``; it reads the model file and writes the quantized one;
+  - ours: ``npu_backend.load_model`` (TVM's ONNX importer) then ``npu_backend.quantize`` with the default
+    ``QConfig``, every layer calibrated on the simulated NPU's own integers.
+
+The two alternate ``--rounds`` times (ours first in odd rounds), so that a busy machine slows both alike; the
+best round of each is reported, with the ratio. Then ours once more with every phase timed (exclusive times:
+a phase called inside another is not counted twice) and the walk's time per layer kind.
+
+    python bench/bench_quantize_speed.py [--samples 100] [--rounds 2] [--skip-ort] [--no-phases]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from mobilenet_v2_onnx import calibration_inputs, write_mobilenet_v2  # noqa: E402
+
+
+def ort_quantize(model: Path, inputs: np.ndarray, out: Path) -> None:
+    from onnxruntime.quantization import (CalibrationDataReader, CalibrationMethod, QuantFormat, QuantType,
+                                          quantize_static)
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.items = iter({"input": x} for x in inputs)
+
+        def get_next(self):
+            return next(self.items, None)
+
+    quantize_static(str(model), str(out), Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    activation_type=QuantType.QInt8, weight_type=QuantType.QInt8,
+                    calibrate_method=CalibrationMethod.MinMax)
+
+
+def ours(model: Path, inputs: np.ndarray, progress=None):
+    import npu_backend
+
+    start = time.perf_counter()
+    mod = npu_backend.load_model(model)
+    imported = time.perf_counter() - start
+    qmod = npu_backend.quantize(mod, inputs[:, 0], progress=progress)  # a batch on axis 0
+    return imported, time.perf_counter() - start, qmod
+
+
+class Phases:
+    """Exclusive wall time of wrapped functions, by phase name."""
+
+    def __init__(self):
+        self.seconds = defaultdict(float)
+        self.calls = defaultdict(int)
+        self._stack = []
+        self._undo = []
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        original = owner[attr] if isinstance(owner, dict) else getattr(owner, attr)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            self._stack.append(0.0)
+            try:
+                return original(*args, **kwargs)
+            finally:
+                inner = self._stack.pop()
+                total = time.perf_counter() - start
+                self.seconds[name] += total - inner
+                self.calls[name] += 1
+                if self._stack:
+                    self._stack[-1] += total
+
+        if isinstance(owner, dict):
+            owner[attr] = timed
+            self._undo.append(lambda: owner.__setitem__(attr, original))
+        else:
+            setattr(owner, attr, timed)
+            self._undo.append(lambda: setattr(owner, attr, original))
+
+    def restore(self) -> None:
+        for undo in reversed(self._undo):
+            undo()
+
+
+def instrument() -> Phases:
+    import tvm
+
+    import npu_backend
+    import npu_backend.codegen.lower as lower
+    import npu_backend.partition as partition
+    import npu_backend.quantization as quantization
+    import simulator.batch as batch
+    from npu_backend.quantization import observers, steps
+
+    calibrate = sys.modules["npu_backend.quantization.calibrate"]  # the package's calibrate() shadows it
+    from simulator.isa import Opcode
+
+    phases = Phases()
+    phases.wrap(npu_backend.frontend.LOADERS, ".onnx", "import (TVM's ONNX importer)")
+    phases.wrap(quantization, "cut_layers", "layer cut")
+    phases.wrap(steps.FloatLayers, "sums", "float conv/matmul sums (numpy BLAS)")
+    phases.wrap(steps.FloatLayers, "run_batch", "float bias, clamp, batching")
+    phases.wrap(steps.FloatLayers, "run", "float layers on TVM, per sample")
+    phases.wrap(tvm, "compile", "tvm.compile")
+    phases.wrap(partition, "partition_for_npu", "NPU layer: partition_for_npu")
+    phases.wrap(lower, "lower_module", "NPU layer: lower to a stream")
+    phases.wrap(steps.NpuLayer, "__init__", "NPU layer: emit QDQ")
+    phases.wrap(steps, "run_stream_batch", "simulator: other (command loop, outputs)")
+    phases.wrap(batch, "mac_output", "simulator: MAC commands (batched)")
+    phases.wrap(batch.BATCHED, Opcode.DMA_COPY, "simulator: DMA commands (batched)")
+    phases.wrap(batch, "_fused_dma", "simulator: DMA layout transposes (fused)")
+    for opcode in (Opcode.ADD, Opcode.SUB, Opcode.MUL):
+        phases.wrap(batch.BATCHED, opcode, "simulator: elementwise commands (batched)")
+    phases.wrap(batch, "validate_stream", "simulator: validate")
+    phases.wrap(batch, "_BatchState", "simulator: load inputs, allocate memories")
+    phases.wrap(batch, "_per_sample", "simulator: other commands (per sample)")
+    phases.wrap(observers.TensorStats, "update", "observers: TensorStats.update")
+    phases.wrap(calibrate, "choose_range", "observers: choose_range")
+    phases.wrap(calibrate, "_bias_shift", "bias correction")
+    phases.wrap(calibrate, "_accumulator_peaks", "accumulator peaks")
+    phases.wrap(calibrate, "quantize_host", "quantize/dequantize on the host")
+    phases.wrap(calibrate, "dequantize_host", "quantize/dequantize on the host")
+    phases.wrap(quantization, "walk", "walk: everything else")
+    phases.wrap(quantization, "emit_module", "emit the QDQ module")
+    phases.wrap(quantization, "calibrate", "quantize: everything else")
+    return phases
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--skip-ort", action="store_true", help="time ours only")
+    parser.add_argument("--no-phases", action="store_true", help="no instrumented run")
+    args = parser.parse_args()
+
+    tmp = Path(tempfile.mkdtemp())
+    model = write_mobilenet_v2(tmp / "mobilenet_v2_1.0_224.onnx", seed=0)
+    inputs = calibration_inputs(args.samples, seed=1)
+    print(f"MobileNetV2-1.0-224 float ONNX, seeded random weights ({model.stat().st_size / 1e6:.1f} MB, "
+          f"{tmp}), {args.samples} seeded random calibration inputs")
+    import logging
+
+    logging.getLogger().setLevel(logging.ERROR)  # onnxruntime's pre-processing advice
+    times = defaultdict(list)
+    for r in range(args.rounds):
+        order = ("ours", "ort") if r % 2 == 0 else ("ort", "ours")
+        for who in order:
+            if who == "ort" and args.skip_ort:
+                continue
+            start = time.perf_counter()
+            if who == "ort":
+                ort_quantize(model, inputs, tmp / "ort_qdq.onnx")
+                times["ort"].append(time.perf_counter() - start)
+            else:
+                imported, total, _ = ours(model, inputs)
+                times["ours"].append(total)
+                times["ours: import"].append(imported)
+            print(f"  round {r + 1}: {who:<5} {time.perf_counter() - start:7.2f} s", flush=True)
+    best = {k: min(v) for k, v in times.items()}
+    print(f"\nbest of {args.rounds} rounds, wall time:" if best else "")
+    print(f"  onnxruntime quantize_static (QDQ, per-channel, MinMax): {best.get('ort', float('nan')):7.2f} s")
+    if "ours" in best:
+        print(f"  ours: load_model + quantize (default QConfig):          {best['ours']:7.2f} s "
+              f"(import {best['ours: import']:.2f} s)")
+    if "ort" in best and "ours" in best:
+        print(f"  ratio ours / onnxruntime = {best['ours'] / best['ort']:.2f}")
+
+    if args.no_phases:
+        return 0
+    import npu_backend
+    from npu_backend.quantization.layers import cut_layers
+
+    layers, _ = cut_layers(npu_backend.load_model(model)["main"])
+    per_kind = defaultdict(float)
+    count = defaultdict(int)
+    clock = [None]
+
+    def progress(done, total):
+        now = time.perf_counter()
+        layer = layers[done - 1]
+        per_kind[layer.kind.name] += now - clock[0]
+        count[layer.kind.name] += 1
+        clock[0] = now
+
+    phases = instrument()
+    start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        stack.callback(phases.restore)
+        import npu_backend.quantization as quantization
+
+        original_walk = quantization.walk
+
+        def walk(*a, **k):
+            clock[0] = time.perf_counter()
+            return original_walk(*a, **k)
+
+        quantization.walk = walk
+        stack.callback(lambda: setattr(quantization, "walk", original_walk))
+        ours(model, inputs, progress=progress)
+    total = time.perf_counter() - start
+    print(f"\nours, instrumented run: {total:.2f} s; exclusive time per phase:")
+    for name, seconds in sorted(phases.seconds.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<44} {seconds:7.2f} s  {100 * seconds / total:5.1f}%  ({phases.calls[name]} calls)")
+    print("calibration walk per layer kind (float, observers, simulator, NPU build):")
+    for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
+        print(f"  {kind:<12} {count[kind]:3d} layers {seconds:7.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
