@@ -16,6 +16,8 @@ import numpy as np
 from simulator.config import DEFAULT_PRESET, PRESETS
 from simulator.errors import NpuError
 
+from npu_backend.errors import first_line
+
 
 def _load_npy(path: str) -> np.ndarray:
     try:
@@ -167,46 +169,31 @@ def cmd_partition(args) -> int:
 
 
 def _tflite_outputs(model: str, inputs: list[np.ndarray]):
-    """(outputs, label): TFLite's reference kernels (BUILTIN_REF), or, for a model using an operator
-    BUILTIN_REF lacks (ELU), TFLite's builtin kernels without the XNNPACK delegate; None when ai-edge-litert
-    is absent."""
+    """(outputs, label) of TFLite's reference kernels (:func:`npu_backend.reference_runtimes.tflite_interpreter`);
+    None when ai-edge-litert is absent."""
+    from npu_backend.reference_runtimes import tflite_interpreter
+
     try:
-        from ai_edge_litert.interpreter import Interpreter, OpResolverType
+        interpreter, label = tflite_interpreter(model)
     except ImportError:
         return None
-    try:
-        interpreter = Interpreter(model_path=model, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
-        label = "TFLite BUILTIN_REF"
-    except ValueError as exc:
-        if "Didn't find op" not in str(exc):
-            raise NpuError(f"TFLite cannot load {model}: {_first_line(exc)}") from None
-        interpreter = Interpreter(model_path=model,
-                                  experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
-        label = f"TFLite builtin kernels, no delegate ({_first_line(exc).split('.')[0]} in BUILTIN_REF)"
-    interpreter.allocate_tensors()
     for detail, value in zip(interpreter.get_input_details(), inputs):
         interpreter.set_tensor(detail["index"], value)
     interpreter.invoke()
     return [interpreter.get_tensor(d["index"]) for d in interpreter.get_output_details()], label
 
 
-def _first_line(exc: Exception) -> str:
-    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-
-
 def _onnxruntime_outputs(model: str, inputs: list[np.ndarray]):
     """(outputs, label): onnxruntime executing the QDQ graph literally (optimizations off); None when it is
     absent."""
+    from npu_backend.reference_runtimes import onnxruntime_session
+
     try:
-        import onnxruntime as ort
+        session, label = onnxruntime_session(model)
     except ImportError:
         return None
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(model, options, providers=["CPUExecutionProvider"])
     feeds = {i.name: x for i, x in zip(session.get_inputs(), inputs)}
-    return session.run(None, feeds), "onnxruntime, optimizations off"
+    return session.run(None, feeds), label
 
 
 def _simulated_outputs(model: str, inputs: list[np.ndarray]):
@@ -276,7 +263,7 @@ def _calibration_data(path: str, names: list[str], key: str | None):
         with np.load(path, allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
     except (OSError, ValueError) as exc:
-        raise NpuError(f"cannot read calibration data {path}: {_first_line(exc)}") from None
+        raise NpuError(f"cannot read calibration data {path}: {first_line(exc)}") from None
     if len(names) == 1:
         pick = key or (names[0] if names[0] in arrays else None) or (next(iter(arrays)) if len(arrays) == 1 else None)
         if pick not in arrays:

@@ -23,5 +23,10 @@ class InternalError(NpuError):
     """A bug in npu_backend (an unforeseen case reached code that assumed otherwise): please report it."""
 
 
-__all__ = ["InternalError", "NpuWarning", "NpuError", "ConfigError", "NumericsError", "StreamError", "ModelImportError",
+def first_line(exc: Exception) -> str:
+    """The first line of an exception's message (a foreign library's error, shown as one line)."""
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+
+
+__all__ = ["first_line", "InternalError", "NpuWarning", "NpuError", "ConfigError", "NumericsError", "StreamError", "ModelImportError",
            "UnsupportedOpError", "QParamError"]

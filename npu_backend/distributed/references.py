@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import NpuError
+from ..reference_runtimes import onnxruntime_session, tflite_interpreter
 from .model_files import ModelFile
 
 _RUNNERS: dict[tuple[str, str], "Runner"] = {}
@@ -31,19 +32,7 @@ class Runner:
 
 
 def _tflite(model: ModelFile) -> Runner:
-    from ai_edge_litert.interpreter import Interpreter, OpResolverType
-
-    path = str(model.path())
-    try:
-        interpreter = Interpreter(model_path=path, experimental_op_resolver_type=OpResolverType.BUILTIN_REF)
-        label = "TFLite BUILTIN_REF"
-    except ValueError as exc:
-        if "Didn't find op" not in str(exc):
-            raise NpuError(f"TFLite cannot load {model.name}: {str(exc).strip().splitlines()[0]}") from None
-        interpreter = Interpreter(model_path=path,
-                                  experimental_op_resolver_type=OpResolverType.BUILTIN_WITHOUT_DEFAULT_DELEGATES)
-        label = "TFLite builtin kernels, no delegate"
-    interpreter.allocate_tensors()
+    interpreter, label = tflite_interpreter(str(model.path()))
     inputs, outputs = interpreter.get_input_details(), interpreter.get_output_details()
 
     def run(values):
@@ -56,14 +45,9 @@ def _tflite(model: ModelFile) -> Runner:
 
 
 def _onnxruntime(model: ModelFile) -> Runner:
-    import onnxruntime as ort
-
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = 1
-    session = ort.InferenceSession(str(model.path()), options, providers=["CPUExecutionProvider"])
+    session, label = onnxruntime_session(str(model.path()))
     names = [i.name for i in session.get_inputs()]
-    return Runner("onnxruntime, optimizations off", lambda values: session.run(None, dict(zip(names, values))))
+    return Runner(label, lambda values: session.run(None, dict(zip(names, values))))
 
 
 def _float(model: ModelFile) -> Runner:
