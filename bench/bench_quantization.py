@@ -107,7 +107,7 @@ def run_npu(calibrated, images: np.ndarray, layout: str):
     import npu_backend
 
     partitioned = npu_backend.partition_for_npu(calibrated.module, calibrated.npu_config)
-    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    vm = relax.VirtualMachine(npu_backend.codegen.build_partitioned(partitioned), tvm.cpu())
     logits = []
     with npu_backend.profile() as prof:
         for image in images:

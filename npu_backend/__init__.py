@@ -14,7 +14,6 @@ Typical use::
 from __future__ import annotations
 
 import tvm
-from tvm import relax
 
 from simulator.config import DEFAULT_PRESET, PRESETS, NpuConfig, get_config, load_config, register_preset
 
@@ -39,8 +38,7 @@ def build(mod: tvm.IRModule, target: str = "llvm", preset: NpuConfig | str = DEF
     Equivalent to ``tvm.compile(RunCodegen()(partition_for_npu(mod, preset)), target)``; ``preset`` is an
     ``NpuConfig``, a preset name or a configuration file.
     """
-    partitioned = partition_for_npu(mod, preset)
-    return tvm.compile(relax.transform.RunCodegen()(partitioned), target=target)
+    return codegen.build_partitioned(partition_for_npu(mod, preset), target)
 
 
 __all__ = [

@@ -231,8 +231,7 @@ def cmd_run(args) -> int:
     mod = npu_backend.load_model(args.model)
     partitioned = npu_backend.partition_for_npu(mod, _preset(args), args.reference)
     _print_placement(npu_backend.partition_report(partitioned))
-    executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm")
-    vm = relax.VirtualMachine(executable, tvm.cpu())
+    vm = relax.VirtualMachine(npu_backend.codegen.build_partitioned(partitioned), tvm.cpu())
     rng = np.random.default_rng(args.seed)
     if args.input:
         inputs = [_load_npy(p) for p in args.input]

@@ -27,7 +27,7 @@ from tvm import relax
 from simulator.isa import FORMAT_VERSION, BufferKind
 from simulator.stream import encode_stream
 
-from .codegen import STREAMS_OPTION
+from .codegen import build_partitioned
 from .codegen.lower import CONFIG_ATTR, lower_module
 from .errors import NpuError
 from .frontend import load_model
@@ -96,14 +96,14 @@ def write_compiled(model: str | Path, out: str | Path, preset="npu-256", referen
     model, out = Path(model), Path(out)
     original = load_model(model)
     partitioned = partition_for_npu(original, preset, reference)
+    hardware = json.loads(_hardware_json(partitioned))  # before anything is written: a model without NPU regions
     out.mkdir(parents=True, exist_ok=True)
     main = partitioned["main"]
     tensors = TensorTable(main)
     streams = lower_module(partitioned)
     encoded = {symbol: encode_stream(stream) for symbol, stream in streams.items()}
     report = partition_report(partitioned)
-    generated = relax.transform.RunCodegen({"npu": {STREAMS_OPTION: encoded}})(partitioned)
-    tvm.compile(generated, target="llvm").export_library(str(out / LIBRARY))
+    build_partitioned(partitioned, streams=encoded).export_library(str(out / LIBRARY))
     regions = []
     for symbol, args, results in _region_calls(partitioned, set(streams)):
         stream, data = streams[symbol], encoded[symbol]
@@ -121,7 +121,7 @@ def write_compiled(model: str | Path, out: str | Path, preset="npu-256", referen
         "format_version": list(FORMAT_VERSION),
         "model": {"file": model.name, "sha256": _sha256(model.read_bytes())},
         "library": {"file": LIBRARY, "sha256": _sha256((out / LIBRARY).read_bytes())},
-        "hardware": json.loads(_hardware_json(partitioned)),
+        "hardware": hardware,
         "numerics": report.numerics,
         "inputs": [tensors.describe(p) for p in main.params],
         "outputs": [tensors.describe(o) for o in outputs],

@@ -45,12 +45,12 @@ def _stream(symbol: str, digest: str, data: bytes) -> CommandStream:
     return stream
 
 
-def run_region(symbol: str, digest: str, data: bytes, count: int, *tensors) -> None:
+def run_region(symbol: str, digest: str, data: bytes, *tensors) -> None:
     """Run one region call: the stream's inputs are the first tensors, its outputs (written here) the rest."""
     stream = _stream(symbol, digest, data)
     inputs = [buf for _, buf in stream.buffers_of(BufferKind.INPUT)]
     outputs = [buf for _, buf in stream.buffers_of(BufferKind.OUTPUT)]
-    if count != len(tensors) or len(tensors) != len(inputs) + len(outputs):
+    if len(tensors) != len(inputs) + len(outputs):
         raise NpuError(f"{symbol}: expected {len(inputs) + len(outputs)} tensors, got {len(tensors)}")
     arrays = {buf.name: tensors[i].numpy() for i, buf in enumerate(inputs)}
     results, stats = run_stream(stream, arrays)

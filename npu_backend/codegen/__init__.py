@@ -35,9 +35,17 @@ def npu_codegen(functions, options, constant_names):
     return [embed_streams(streams, tensors)] if streams else []
 
 
+def build_partitioned(partitioned: tvm.IRModule, target: str = "llvm", streams: dict[str, bytes] | None = None):
+    """``tvm.compile`` of a module from ``partition_for_npu`` after ``RunCodegen`` (TVM 0.27's ``tvm.compile`` does
+    not run it, and fails on ``Codegen="npu"`` functions). ``streams``: the regions' serialized command streams,
+    lowered already by the caller, which needs them too; they are embedded instead of lowered again."""
+    options = None if streams is None else {"npu": {STREAMS_OPTION: streams}}
+    return tvm.compile(relax.transform.RunCodegen(options)(partitioned), target=target)
+
+
 def register_codegen() -> None:
     tvm.register_global_func("relax.ext.npu", npu_codegen, override=True)
     register_driver()
 
 
-__all__ = ["npu_codegen", "register_codegen", "lower_module", "lower_region", "npu_regions", "STREAMS_OPTION"]
+__all__ = ["npu_codegen", "build_partitioned", "register_codegen", "lower_module", "lower_region", "npu_regions", "STREAMS_OPTION"]

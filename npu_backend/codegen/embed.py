@@ -31,7 +31,7 @@ _PRELUDE = """\
 #define NPU_EXPORT TVM_FFI_DLL_EXPORT
 #endif
 
-#define NPU_EXTRA_ARGS 4
+#define NPU_EXTRA_ARGS 3
 #define NPU_MAX_TENSORS {max_tensors}
 
 /* Forward one region call to the driver: (symbol, stream SHA-256, stream bytes, tensors...). */
@@ -66,8 +66,6 @@ static int npu_call(const char* symbol, const char* digest, const char* stream, 
   packed[1].v_c_str = digest;
   packed[2].type_index = kTVMFFIByteArrayPtr;
   packed[2].v_ptr = &bytes;
-  packed[3].type_index = kTVMFFIInt;
-  packed[3].v_int64 = num_args;
   for (i = 0; i < num_args; ++i) packed[NPU_EXTRA_ARGS + i] = args[i];
   return TVMFFIFunctionCall(driver, packed, NPU_EXTRA_ARGS + num_args, result);
 }}

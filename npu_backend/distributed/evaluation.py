@@ -54,6 +54,7 @@ def _compile(model: ModelFile, preset: NpuConfig, numerics: str) -> _Compiled:
         import tvm
         from tvm import relax
 
+        from ..codegen import build_partitioned
         from ..compiled import TensorTable
         from ..partition import partition_for_npu
         from ..report import partition_report
@@ -61,7 +62,7 @@ def _compile(model: ModelFile, preset: NpuConfig, numerics: str) -> _Compiled:
         module = model.load()
         partitioned = partition_for_npu(module, preset, numerics)
         report = partition_report(partitioned)
-        executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm")
+        executable = build_partitioned(partitioned)
         main = module["main"]
         body = main.body.body
         table = TensorTable(main)

@@ -168,7 +168,7 @@ class NpuLayer:
 
     def __init__(self, layer: Layer, folded: dict, inputs: list[TensorQ], output: TensorQ, weights: WeightQ | None,
                  constants: dict, source: str, config: NpuConfig):
-        from ..codegen.lower import lower_module, npu_regions
+        from ..codegen import build_partitioned, lower_module, npu_regions
         from ..partition import partition_for_npu
         from ..report import partition_report
 
@@ -206,8 +206,7 @@ class NpuLayer:
             self.stream = lower_module(partitioned)[symbol]
             self.names = [p.name for p in region.params]
         else:
-            executable = tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm")
-            self.vm = relax.VirtualMachine(executable, tvm.cpu())
+            self.vm = relax.VirtualMachine(build_partitioned(partitioned), tvm.cpu())
 
     def run_batch(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 outputs for a batch of samples (each input ``[N, *shape]``), and how many accumulators
