@@ -33,9 +33,10 @@ from .config import NpuConfig
 from .errors import ExecutionError
 from .isa import SCALE_BIAS_WORDS, BufferKind, CommandStream, DmaCopy, MemorySpace, Opcode, weight_shape
 from .kernels import MachineState, mac_output
-from .machine import CommandStats, RunStats
+from .machine import RunStats, run_stats
 from .opcodes import opcode_def
 from .stream import decode_stream
+from .timeline import schedule
 from .validate import validate_stream
 
 
@@ -237,10 +238,9 @@ def run_stream_batch(stream: CommandStream | bytes, inputs: Mapping[str, np.ndar
     config = config or stream.config
     validate_stream(stream, config)
     state = _BatchState(stream, inputs, config)
-    stats = []
+    counts = []
     runs, fused_until = _transpose_runs(stream.commands), 0
     for index, command in enumerate(stream.commands):
-        definition = opcode_def(command.opcode)
         if index in runs:
             fused_until = runs[index]
             _fused_dma(state, [c.payload for c in stream.commands[index:fused_until]])
@@ -259,9 +259,7 @@ def run_stream_batch(stream: CommandStream | bytes, inputs: Mapping[str, np.ndar
         elif command.opcode != Opcode.DMA_COPY:
             ofm = command.payload.ofm
             state.uniform[ofm.address:ofm.address + ofm.nbytes] = False
-        cost = definition.cost(command.opcode, command.payload, config)
-        stats.append(CommandStats(index, command.opcode, command.layer, cost.cycles, cost.macs,
-                                  cost.dram_read_bytes, cost.dram_write_bytes, int(overflows)))
+        counts.append(int(overflows))
     outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape((state.batch, *buf.shape)).copy()
                for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
-    return outputs, RunStats(stream.name, config, tuple(stats))
+    return outputs, run_stats(stream, config, schedule(stream, config), counts)

@@ -16,7 +16,7 @@ from .config import NpuConfig, get_config
 from .errors import StreamError
 from .numerics import Rounding
 
-FORMAT_VERSION = (2, 3)
+FORMAT_VERSION = (2, 4)
 """(major, minor) of the command-stream format; a reader accepts the majors in ``READABLE_MAJORS``.
 
 1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
@@ -36,12 +36,19 @@ cannot carry ``"saturate"``: the encoder refuses rather than write a stream that
 decoder refuses a stream of an older format that uses it.
 2.3 added ``FeatureMap.dtype`` (:class:`ActivationType`): INT16 feature maps for the 16x8 CONV2D
 (TFLite's 16x8 mode). Absent, as in every older stream, it reads INT8; the encoder refuses to write an
-INT16 feature map in an older format and the decoder refuses one in a stream that claims an older format."""
+INT16 feature map in an older format and the decoder refuses one in a stream that claims an older format.
+2.4 added ``Command.deps``: the earlier commands a command waits for, so that the DMA engine and the
+compute units overlap (:mod:`simulator.timeline`). Absent, as in every older stream, a command waits for
+the previous one: the stream runs serially, as it always did. The encoder refuses to write explicit
+dependencies in an older format."""
 
 READABLE_MAJORS = (1, 2)
 
 DTYPE_SINCE = (2, 3)
 """The format that added ``FeatureMap.dtype``."""
+
+DEPS_SINCE = (2, 4)
+"""The format that added ``Command.deps``."""
 
 
 class ActivationType(IntEnum):
@@ -352,6 +359,11 @@ class Command:
     opcode: Opcode
     payload: DmaCopy | Convolution | Elementwise | Reduction | Pooling | TableLookup | Softmax | Resize | MatMul
     layer: str = ""
+    deps: tuple[int, ...] | None = None
+    """Indices of earlier commands this one waits for, besides the previous command of its own engine
+    (format 2.4); ``None``: it waits for the previous command of the stream, whatever its engine (serial,
+    what every older stream means). The validator rejects dependencies that miss an SRAM hazard
+    (:mod:`simulator.hazards`)."""
 
 
 @dataclass(frozen=True)

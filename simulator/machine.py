@@ -1,7 +1,9 @@
 """Running a command stream: validate, load DRAM, execute, account.
 
 Every figure in the returned statistics is the cost of one executed command;
-totals are sums over them, never estimated separately. So are accumulator
+totals are sums over them, never estimated separately, except the stream's
+cycles: its makespan, the end of the last command in the engines' schedule
+(:mod:`simulator.timeline`), where the DMA engine and the compute units overlap. So are accumulator
 overflows: each command reports how many of its output elements had an exact
 sum outside the accumulator's ``NpuConfig.accumulator_bits`` range (then wrapped
 or saturated as ``NpuConfig.accumulator_overflow`` says).
@@ -18,8 +20,9 @@ from .config import NpuConfig
 from .errors import ExecutionError
 from .isa import BufferKind, CommandStream, Opcode
 from .kernels import MachineState
-from .opcodes import opcode_def
+from .opcodes import Engine, opcode_def
 from .stream import decode_stream
+from .timeline import Slot, schedule
 from .validate import validate_stream
 
 
@@ -34,6 +37,13 @@ class CommandStats:
     dram_write_bytes: int
     overflows: int = 0
     """Output elements whose accumulator overflowed (0 for commands without one)."""
+    engine: Engine = Engine.COMPUTE
+    start: int = 0
+    """Cycle at which the command starts in the schedule (:mod:`simulator.timeline`); it ends at start + cycles."""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.cycles
 
 
 @dataclass(frozen=True)
@@ -46,7 +56,12 @@ class RunStats:
 
     @property
     def total_cycles(self) -> int:
-        return sum(c.cycles for c in self.commands)
+        """The makespan: DMA and compute overlap, so this is at most the sum of the commands' cycles."""
+        return max((c.end for c in self.commands), default=0)
+
+    def busy_cycles(self, engine: Engine) -> int:
+        """Cycles during which ``engine`` runs a command."""
+        return sum(c.cycles for c in self.commands if c.engine == engine)
 
     @property
     def total_macs(self) -> int:
@@ -114,13 +129,16 @@ def run_stream(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],
         else:
             dram.append(loaded.get(index, np.zeros(buf.size, dtype=np.uint8)))
     state = MachineState(sram=np.zeros(config.sram_bytes, dtype=np.uint8), dram=dram)
-    stats = []
-    for index, command in enumerate(stream.commands):
-        definition = opcode_def(command.opcode)
-        overflows = definition.execute(state, command.opcode, command.payload, config)
-        cost = definition.cost(command.opcode, command.payload, config)
-        stats.append(CommandStats(index, command.opcode, command.layer, cost.cycles, cost.macs,
-                                  cost.dram_read_bytes, cost.dram_write_bytes, overflows))
+    overflows = [opcode_def(command.opcode).execute(state, command.opcode, command.payload, config)
+                 for command in stream.commands]
     outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape(buf.shape).copy()
                for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
-    return outputs, RunStats(stream.name, config, tuple(stats))
+    return outputs, run_stats(stream, config, schedule(stream, config), overflows)
+
+
+def run_stats(stream: CommandStream, config: NpuConfig, slots: tuple[Slot, ...], overflows: list[int]) -> RunStats:
+    """The statistics of one execution: the schedule's figures (data-independent) and the overflows counted."""
+    return RunStats(stream.name, config, tuple(
+        CommandStats(index, command.opcode, command.layer, slot.cost.cycles, slot.cost.macs,
+                     slot.cost.dram_read_bytes, slot.cost.dram_write_bytes, count, slot.engine, slot.start)
+        for index, (command, slot, count) in enumerate(zip(stream.commands, slots, overflows))))

@@ -19,8 +19,17 @@ from .isa import (ActivationType, Convolution, DmaCopy, Elementwise, MatMul, Opc
                   Softmax, TableLookup)
 
 
+class Engine(str, Enum):
+    """A command queue of the machine: each takes its commands in stream order, and the engines run
+    concurrently (:mod:`simulator.timeline`). The compute units share one queue: one operation at a
+    time, as Ethos-U's NPU block runs them, while the DMA engine moves the next and previous tiles."""
+
+    DMA = "dma"
+    COMPUTE = "compute"
+
+
 class Unit(str, Enum):
-    """The engine that executes an opcode."""
+    """The unit that executes an opcode."""
 
     DMA = "dma"
     MAC_ARRAY = "mac_array"
@@ -29,6 +38,10 @@ class Unit(str, Enum):
     OUTPUT_STAGE = "output_stage"
     """Requantization, clamp and the look-up table: what a LUT command uses on its own."""
     SOFTMAX = "softmax"
+
+    @property
+    def engine(self) -> Engine:
+        return Engine.DMA if self is Unit.DMA else Engine.COMPUTE
 
 
 @dataclass(frozen=True)

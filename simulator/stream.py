@@ -42,7 +42,7 @@ from ._generated import Softmax as fb_softmax
 from ._generated import TableLookup as fb_lut
 from .config import NpuConfig, get_config
 from .errors import ConfigError, StreamError
-from .isa import (DTYPE_SINCE, READABLE_MAJORS, ActivationType, Buffer, BufferKind, Command, CommandStream,
+from .isa import (DEPS_SINCE, DTYPE_SINCE, READABLE_MAJORS, ActivationType, Buffer, BufferKind, Command, CommandStream,
                   Convolution, DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction,
                   Resize, Softmax, TableLookup, feature_maps)
 from .numerics import ACCUMULATOR_OVERFLOWS, Rounding
@@ -180,6 +180,8 @@ def _encode_command(builder, command: Command, version: tuple[int, int]) -> int:
         raise StreamError(f"{command.opcode.name} cannot carry {type(command.payload).__name__}")
     offsets = {"layer": builder.CreateString(command.layer),
                definition.slot: _encode_payload(builder, command.payload)}
+    if command.deps is not None:
+        offsets["deps"] = builder.CreateNumpyVector(np.asarray(command.deps, dtype=np.uint32))
     return _add_table(builder, fb_command, "Command", {"opcode": int(command.opcode)}, offsets)
 
 
@@ -200,6 +202,9 @@ def encode_stream(stream: CommandStream) -> bytes:
     if wide is not None:
         raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry the INT16 feature map of "
                           f"{wide} (added in {DTYPE_SINCE[0]}.{DTYPE_SINCE[1]}); its readers would take it as INT8")
+    if tuple(stream.version) < DEPS_SINCE and any(c.deps is not None for c in stream.commands):
+        raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry command dependencies "
+                          f"(added in {DEPS_SINCE[0]}.{DEPS_SINCE[1]}); its readers would run the stream serially")
     builder = flatbuffers.Builder(1024)
     buffer_offsets = []
     for buf in stream.buffers:
@@ -261,7 +266,7 @@ def _decode_payload(raw, payload_type: type):
     return _decode_flat(raw, payload_type)
 
 
-def _decode_command(raw, index: int, version: tuple[int, int]) -> Command:
+def _decode_command(raw, index: int, version: tuple[int, int], total: int) -> Command:
     opcode = _enum(Opcode, raw.Opcode(), "opcode")
     definition = opcode_def(opcode)
     try:
@@ -271,7 +276,13 @@ def _decode_command(raw, index: int, version: tuple[int, int]) -> Command:
     table = getattr(raw, _camel(definition.slot))()
     if table is None:
         raise StreamError(f"command {index}: {opcode.name} has no {definition.slot} payload")
-    return Command(opcode, _decode_payload(table, definition.payload), _text(raw.Layer()))
+    deps = None
+    if not raw.DepsIsNone():
+        if version < DEPS_SINCE:
+            raise StreamError(f"command {index}: dependencies are not defined in format {version[0]}.{version[1]}")
+        _checked_length(raw.DepsLength(), 4, total, f"command {index}'s dependency list")
+        deps = tuple(int(d) for d in raw.DepsAsNumpy())
+    return Command(opcode, _decode_payload(table, definition.payload), _text(raw.Layer()), deps)
 
 
 def _decode_hardware(root, version: tuple[int, int]) -> NpuConfig:
@@ -355,7 +366,7 @@ def decode_stream(data: bytes) -> CommandStream:
         n_buffers = _checked_length(root.BuffersLength(), 4, total, "buffer list")
         n_commands = _checked_length(root.CommandsLength(), 4, total, "command list")
         buffers = tuple(_decode_buffer(root.Buffers(i), total) for i in range(n_buffers))
-        commands = tuple(_decode_command(root.Commands(i), i, version) for i in range(n_commands))
+        commands = tuple(_decode_command(root.Commands(i), i, version, total) for i in range(n_commands))
         wide = _int16_feature_map(commands) if version < DTYPE_SINCE else None
         if wide is not None:
             raise StreamError(f"{wide}: activation type INT16 is not defined in format {version[0]}.{version[1]}")

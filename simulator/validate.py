@@ -4,7 +4,9 @@ The stream's own configuration must be the simulator's (by value), its
 buffers consistent, and every command legal: each opcode's validator
 (:mod:`simulator.command_checks`, chosen by the opcode table) raises
 ``StreamError`` with a one-line reason naming the command. Running a stream
-that passed validation cannot index outside DRAM buffers or SRAM.
+that passed validation cannot index outside DRAM buffers or SRAM, and its dependencies
+order every SRAM hazard between the concurrent engines (:mod:`simulator.hazards`),
+so running it in stream order computes what the concurrent machine computes.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import numpy as np
 
 from .config import NpuConfig
 from .errors import StreamError
+from .hazards import check_dependencies
 from .isa import BufferKind, CommandStream, feature_maps
 from .opcodes import opcode_def
 
@@ -68,3 +71,4 @@ def validate_stream(stream: CommandStream, config: NpuConfig) -> None:
     _check_buffers(stream, config)
     for index, command in enumerate(stream.commands):
         _check_command(stream, config, index, command)
+    check_dependencies(stream, config)

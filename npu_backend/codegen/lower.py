@@ -12,6 +12,7 @@ import tvm
 from tvm import relax
 
 from simulator.config import NpuConfig
+from simulator.hazards import dependencies
 from simulator.isa import BufferKind, CommandStream
 
 from ..errors import UnsupportedOpError
@@ -76,7 +77,7 @@ def lower_region(func: relax.Function, symbol: str) -> CommandStream:
             sources = [values[value.args[int(i)]] if int(i) >= 0 else None for i in callee.attrs[OPERANDS_ATTR]]
             lower_layer(sb, params, layer, sources, values[binding.var])
     return CommandStream(name=symbol, config=config, buffers=tuple(sb.buffers),
-                         commands=tuple(sb.commands))
+                         commands=dependencies(sb.commands, config))
 
 
 def npu_regions(mod: tvm.IRModule) -> dict[str, relax.Function]:

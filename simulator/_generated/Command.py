@@ -141,7 +141,34 @@ class Command(object):
             return obj
         return None
 
-def CommandStart(builder): builder.StartObject(11)
+    # Command
+    def Deps(self, j):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            a = self._tab.Vector(o)
+            return self._tab.Get(flatbuffers.number_types.Uint32Flags, a + flatbuffers.number_types.UOffsetTFlags.py_type(j * 4))
+        return 0
+
+    # Command
+    def DepsAsNumpy(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.GetVectorAsNumpy(flatbuffers.number_types.Uint32Flags, o)
+        return 0
+
+    # Command
+    def DepsLength(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        if o != 0:
+            return self._tab.VectorLen(o)
+        return 0
+
+    # Command
+    def DepsIsNone(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(26))
+        return o == 0
+
+def CommandStart(builder): builder.StartObject(12)
 def Start(builder):
     return CommandStart(builder)
 def CommandAddOpcode(builder, opcode): builder.PrependUint8Slot(0, opcode, 0)
@@ -177,6 +204,12 @@ def AddResize(builder, resize):
 def CommandAddMatmul(builder, matmul): builder.PrependUOffsetTRelativeSlot(10, flatbuffers.number_types.UOffsetTFlags.py_type(matmul), 0)
 def AddMatmul(builder, matmul):
     return CommandAddMatmul(builder, matmul)
+def CommandAddDeps(builder, deps): builder.PrependUOffsetTRelativeSlot(11, flatbuffers.number_types.UOffsetTFlags.py_type(deps), 0)
+def AddDeps(builder, deps):
+    return CommandAddDeps(builder, deps)
+def CommandStartDepsVector(builder, numElems): return builder.StartVector(4, numElems, 4)
+def StartDepsVector(builder, numElems):
+    return CommandStartDepsVector(builder, numElems)
 def CommandEnd(builder): return builder.EndObject()
 def End(builder):
     return CommandEnd(builder)
