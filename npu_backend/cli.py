@@ -58,7 +58,8 @@ def cmd_inspect(args) -> int:
         print(f"  buffer {i:<3} {buf.kind.name:<8} {buf.name:<40} {buf.dtype}{list(buf.shape)} {buf.size} B")
     for i, cmd in enumerate(stream.commands):
         fields = ", ".join(f"{k}={v}" for k, v in vars(cmd.payload).items())
-        print(f"  {i:>4} {cmd.layer:<22} {cmd.opcode.name:<17} {fields}")
+        waits = "" if cmd.deps is None else f" waits for {list(cmd.deps)}"
+        print(f"  {i:>4} {cmd.layer:<22} {cmd.opcode.name:<17} {fields}{waits}")
     return 0
 
 
