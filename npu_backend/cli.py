@@ -69,13 +69,14 @@ def _print_run_stats(stats) -> None:
 
     overflowed = stats.total_overflows > 0
     extra = f" {'overflows':>9}" if overflowed else ""
-    print(f"{'#':>4} {'layer':<22} {'opcode':<17} {'cycles':>9} {'MACs':>10} {'DRAM rd':>8} {'DRAM wr':>8}{extra}")
+    print(f"{'#':>4} {'layer':<22} {'opcode':<17} {'engine':<7} {'start':>9} {'cycles':>9} {'MACs':>10} "
+          f"{'DRAM rd':>8} {'DRAM wr':>8}{extra}")
     for c in stats.commands:
         extra = f" {c.overflows:>9}" if overflowed else ""
-        print(f"{c.index:>4} {c.layer:<22} {c.opcode.name:<17} {c.cycles:>9} {c.macs:>10} "
-              f"{c.dram_read_bytes:>8} {c.dram_write_bytes:>8}{extra}")
-    print(f"total: {stats.total_cycles} cycles, {stats.total_macs} MACs, {stats.total_dram_bytes} DRAM bytes "
-          f"on {stats.config.name}")
+        print(f"{c.index:>4} {c.layer:<22} {c.opcode.name:<17} {c.engine.value:<7} {c.start:>9} {c.cycles:>9} "
+              f"{c.macs:>10} {c.dram_read_bytes:>8} {c.dram_write_bytes:>8}{extra}")
+    print(f"total: {stats.total_cycles} cycles (the schedule's makespan), {stats.total_macs} MACs, "
+          f"{stats.total_dram_bytes} DRAM bytes on {stats.config.name}")
     if overflowed:
         print(describe_overflows(stats.total_overflows, stats.config))
 
@@ -86,17 +87,62 @@ def cmd_sim(args) -> int:
     from simulator.isa import BufferKind
     from simulator.machine import run_stream
 
+    from npu_backend.profiling import Profile
+
+    _check_run_options(args)
     stream = _read_stream(args.stream)
-    inputs = _named_inputs(args.input or [])
-    if args.random_inputs:
-        rng = np.random.default_rng(args.seed)
-        for _, buf in stream.buffers_of(BufferKind.INPUT):
-            info = np.iinfo(buf.dtype)
-            inputs.setdefault(buf.name, rng.integers(info.min, info.max + 1, buf.shape).astype(buf.dtype))
-    outputs, stats = run_stream(stream, inputs)
-    _print_run_stats(stats)
-    _save_outputs(args.output, outputs)
+    given = _named_inputs(args.input or [])
+    rng = np.random.default_rng(args.seed)
+    prof, first = Profile(), None
+    for _ in _inferences(args.repeat):
+        inputs = dict(given)
+        if args.random_inputs:
+            for _, buf in stream.buffers_of(BufferKind.INPUT):
+                info = np.iinfo(buf.dtype)
+                inputs.setdefault(buf.name, rng.integers(info.min, info.max + 1, buf.shape).astype(buf.dtype))
+        outputs, stats = run_stream(stream, inputs)
+        first = outputs if first is None else first
+        prof.runs.append((stream.name, stats))
+    _print_run_stats(prof.runs[0][1])
+    if args.repeat > 1:
+        print(f"{args.repeat} inferences (the table shows the first): {prof.total_cycles} cycles, "
+              f"{prof.total_overflows} accumulator overflows")
+    _save_outputs(args.output, first)
+    _write_views(prof, args)
     return 0
+
+
+def _inferences(count: int):
+    """range(count), with a progress bar over the inferences when there are several (on a tty, with tqdm)."""
+    progress = _ProgressBar("running", "inference") if count > 1 else None
+    try:
+        for k in range(count):
+            yield k
+            if progress is not None:
+                progress(k + 1, count)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _check_run_options(args) -> None:
+    """Fail before compiling and running, not after, on a --repeat or --plot that cannot be honoured."""
+    if args.repeat < 1:
+        raise NpuError(f"--repeat takes a positive number of inferences, got {args.repeat}")
+    if args.plot:
+        from npu_backend.roofline_plot import require_matplotlib
+
+        require_matplotlib()
+
+
+def _write_views(prof, args) -> None:
+    """--trace and --plot of npu run / npu sim."""
+    if args.trace:
+        prof.to_chrome_trace(args.trace)
+        print(f"trace written to {args.trace} (open it in https://ui.perfetto.dev or chrome://tracing)")
+    if args.plot:
+        prof.plot(args.plot)
+        print(f"plot written to {args.plot}")
 
 
 def _save_outputs(path: str | None, outputs: dict) -> None:
@@ -110,16 +156,22 @@ def _sim_compiled(args) -> int:
     import npu_backend
     from npu_backend.compiled import read_manifest, run_compiled
 
+    _check_run_options(args)
     manifest = read_manifest(args.stream)
-    inputs = _named_inputs(args.input or [])
+    given = _named_inputs(args.input or [])
     rng = np.random.default_rng(args.seed)
-    for tensor in manifest["inputs"]:
-        if tensor["name"] not in inputs and args.random_inputs:
-            inputs[tensor["name"]] = _random_tensor(tensor, rng)
+    first = None
     with npu_backend.profile() as prof:
-        outputs = run_compiled(args.stream, inputs)
+        for _ in _inferences(args.repeat):
+            inputs = dict(given)
+            for tensor in manifest["inputs"]:
+                if tensor["name"] not in inputs and args.random_inputs:
+                    inputs[tensor["name"]] = _random_tensor(tensor, rng)
+            outputs = run_compiled(args.stream, inputs)
+            first = outputs if first is None else first
     print(prof.summary())
-    _save_outputs(args.output, outputs)
+    _save_outputs(args.output, first)
+    _write_views(prof, args)
     return 0
 
 
@@ -229,32 +281,40 @@ def cmd_run(args) -> int:
 
     import npu_backend
 
+    _check_run_options(args)
     mod = npu_backend.load_model(args.model)
     partitioned = npu_backend.partition_for_npu(mod, _preset(args), args.reference)
     _print_placement(npu_backend.partition_report(partitioned))
     vm = relax.VirtualMachine(npu_backend.codegen.build_partitioned(partitioned), tvm.cpu())
     rng = np.random.default_rng(args.seed)
-    if args.input:
-        inputs = [_load_npy(p) for p in args.input]
-    else:
+    given = [_load_npy(p) for p in args.input] if args.input else None
+    if given is None:
         from npu_backend.compiled import TensorTable
 
         tensors = TensorTable(mod["main"])
-        inputs = [_random_tensor(tensors.describe(param), rng) for param in mod["main"].params]
-    with npu_backend.profile() as prof:
-        result = vm["main"](*[tvm.runtime.tensor(x) for x in inputs])
-    outputs = [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]
-    print(prof.summary())
     run_reference, package = REFERENCES[Path(args.model).suffix.lower()]
-    ran = None if args.no_reference else run_reference(args.model, inputs)
+    total, mismatched, ran = 0, 0, None
+    with npu_backend.profile() as prof:
+        for k in _inferences(args.repeat):
+            inputs = given or [_random_tensor(tensors.describe(param), rng) for param in mod["main"].params]
+            result = vm["main"](*[tvm.runtime.tensor(x) for x in inputs])
+            outputs = [result.numpy()] if hasattr(result, "numpy") else [r.numpy() for r in result]
+            # The first inference tells whether the reference runtime is installed; given inputs repeat, and so
+            # do their reference outputs.
+            if not args.no_reference and (k == 0 or (ran is not None and given is None)):
+                ran = run_reference(args.model, inputs)
+            if ran is not None:
+                total += sum(r.size for r in ran[0])
+                mismatched += sum(int(np.count_nonzero(o != r)) for o, r in zip(outputs, ran[0]))
+    print(prof.summary())
+    _write_views(prof, args)
     if ran is None:
-        print(f"reference: skipped (install {package}, e.g. pip install 'npu-backend[reference]')")
+        print("reference: skipped (--no-reference)" if args.no_reference else
+              f"reference: skipped (install {package}, e.g. pip install 'npu-backend[reference]')")
         return 0
-    reference, name = ran
-    total = sum(r.size for r in reference)
-    mismatched = sum(int(np.count_nonzero(o != r)) for o, r in zip(outputs, reference))
     verdict = "MATCH" if mismatched == 0 else "MISMATCH"
-    print(f"reference ({name}): {verdict}, {total - mismatched} of {total} output elements bit-exact")
+    inferences = f" over {args.repeat} inferences" if args.repeat > 1 else ""
+    print(f"reference ({ran[1]}): {verdict}, {total - mismatched} of {total} output elements bit-exact{inferences}")
     return 0 if mismatched == 0 else 1
 
 
@@ -276,11 +336,11 @@ def _calibration_data(path: str, names: list[str], key: str | None):
 
 
 class _ProgressBar:
-    """A tqdm bar over calibrated layers (the ``progress`` extra; only on a tty), opened by the first layer, so
-    input the quantizer refuses never leaves a bar behind its error line."""
+    """A tqdm bar (the ``progress`` extra; only on a tty) over calibrated layers or inferences, opened by the first
+    step, so input refused before it never leaves a bar behind its error line."""
 
-    def __init__(self):
-        self.bar = None
+    def __init__(self, desc: str = "calibrating", unit: str = "layer"):
+        self.desc, self.unit, self.bar = desc, unit, None
 
     def __call__(self, done: int, total: int) -> None:
         if self.bar is None:
@@ -288,7 +348,7 @@ class _ProgressBar:
                 from tqdm import tqdm
             except ImportError:
                 return
-            self.bar = tqdm(total=total, desc="calibrating", unit="layer", file=sys.stderr, disable=None)
+            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, disable=None)
         self.bar.update(1)
 
     def close(self) -> None:
@@ -394,8 +454,18 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--input", action="append", help="NAME=FILE.npy for an input buffer")
     sim.add_argument("--random-inputs", action="store_true", help="fill inputs not given with random values")
     sim.add_argument("--seed", type=int, default=0)
-    sim.add_argument("--output", help="write outputs to this .npz")
+    sim.add_argument("--output", help="write outputs to this .npz (of the first inference)")
     sim.set_defaults(func=cmd_sim)
+    for command in (run, sim):
+        command.add_argument("--repeat", type=int, default=1, metavar="N",
+                             help="run N inferences, each on new random inputs unless given (default: 1); a "
+                                  "progress bar follows them on a terminal")
+        command.add_argument("--trace", metavar="FILE.json",
+                             help="write a Chrome trace of every command on its engine (open it in "
+                                  "https://ui.perfetto.dev)")
+        command.add_argument("--plot", metavar="FILE.png",
+                             help="write a PNG of per-layer cycles by engine against the roofline (needs "
+                                  "matplotlib)")
     from npu_backend.distributed.commands import add_commands  # eval, sweep
 
     add_commands(sub, PRESET_HELP)

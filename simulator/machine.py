@@ -18,6 +18,7 @@ import numpy as np
 
 from .config import NpuConfig
 from .errors import ExecutionError
+from .hazards import waits_for
 from .isa import BufferKind, CommandStream, Opcode
 from .kernels import MachineState
 from .opcodes import Engine, opcode_def
@@ -40,6 +41,9 @@ class CommandStats:
     engine: Engine = Engine.COMPUTE
     start: int = 0
     """Cycle at which the command starts in the schedule (:mod:`simulator.timeline`); it ends at start + cycles."""
+    deps: tuple[int, ...] = ()
+    """The commands it waited for besides its engine's previous one (:func:`simulator.hazards.waits_for`: its
+    ``deps``, or the previous command in a stream without dependencies)."""
 
     @property
     def end(self) -> int:
@@ -140,5 +144,6 @@ def run_stats(stream: CommandStream, config: NpuConfig, slots: tuple[Slot, ...],
     """The statistics of one execution: the schedule's figures (data-independent) and the overflows counted."""
     return RunStats(stream.name, config, tuple(
         CommandStats(index, command.opcode, command.layer, slot.cost.cycles, slot.cost.macs,
-                     slot.cost.dram_read_bytes, slot.cost.dram_write_bytes, count, slot.engine, slot.start)
+                     slot.cost.dram_read_bytes, slot.cost.dram_write_bytes, count, slot.engine, slot.start,
+                     waits_for(index, command))
         for index, (command, slot, count) in enumerate(zip(stream.commands, slots, overflows))))
