@@ -18,7 +18,7 @@ from pathlib import Path
 from .errors import ConfigError
 from .numerics import ACCUMULATOR_OVERFLOWS
 
-LATE_FIELDS = ("accumulator_overflow",)
+LATE_FIELDS = ("accumulator_overflow", "fold_fill_cycles", "parallel_depthwise")
 """Fields added after streams began to carry fingerprints (format 1.3). At their default they stay out of
 the fingerprint's canonical form, so hardware described before they existed keeps its fingerprint, and
 the streams written for it still verify."""
@@ -80,6 +80,20 @@ class NpuConfig:
         (MEAN and AVG_POOL2D under ``Rounding.ONNXRUNTIME``) and the int32 fixed-point intermediates of
         TFLite's ADD/SUB/MUL and SOFTMAX algorithms, which are formats of those algorithms (ADD shifts
         its inputs left by 20 bits), not sums of products.
+    fold_fill_cycles : int
+        Cycles the MAC array spends on each *fold* (one set of weights held in the array while the output
+        pixels stream through) besides streaming: loading the fold's weights, filling and draining its
+        pipeline. 0 when the weights of the next fold load while the current one computes and the pipeline
+        stays full from fold to fold (double-buffered weights, as Ethos-U's); the load, one weight per row per
+        cycle, still bounds a fold to at least ``mac_cols`` cycles. A weight-stationary systolic
+        array without that (SCALE-Sim's) pays ``2 * mac_cols + mac_rows - 2``: the weights shift in one
+        row per cycle, then the inputs are skewed down the reduction axis and the sums across the rows.
+    parallel_depthwise : bool
+        Whether a depthwise convolution runs ``mac_rows`` channels side by side, each row fed its own
+        channel's window with the kernel taps across its columns (the array's depthwise mode). False for a
+        systolic array whose inputs flow from row to row, so that rows see the same inputs: channels share
+        none, so one runs at a time on one row (SCALE-Sim splits a depthwise layer into one convolution
+        per channel).
     """
 
     name: str
@@ -100,6 +114,8 @@ class NpuConfig:
     sram_align: int = 16
     lut_entries: int = 256
     accumulator_overflow: str = "wrap"
+    fold_fill_cycles: int = 0
+    parallel_depthwise: bool = True
 
     def __post_init__(self):
         if not isinstance(self.name, str) or not self.name:
@@ -110,6 +126,8 @@ class NpuConfig:
                 raise ConfigError(f"{self.name}: {f.name} must be an integer, got {value!r}")
             if f.type == "str" and not isinstance(value, str):
                 raise ConfigError(f"{self.name}: {f.name} must be a string, got {value!r}")
+            if f.type == "bool" and not isinstance(value, bool):
+                raise ConfigError(f"{self.name}: {f.name} must be true or false, got {value!r}")
             if f.type == "float":
                 if isinstance(value, bool) or not isinstance(value, (int, float)):
                     raise ConfigError(f"{self.name}: {f.name} must be a number, got {value!r}")
@@ -121,7 +139,7 @@ class NpuConfig:
                 raise ConfigError(f"{self.name}: {field_name} must be positive")
         if not self.dram_bytes_per_cycle > 0 or self.dram_bytes_per_cycle == float("inf"):
             raise ConfigError(f"{self.name}: dram_bytes_per_cycle must be positive and finite")
-        if self.dram_latency_cycles < 0 or self.command_overhead_cycles < 0:
+        if self.dram_latency_cycles < 0 or self.command_overhead_cycles < 0 or self.fold_fill_cycles < 0:
             raise ConfigError(f"{self.name}: latencies cannot be negative")
         if not 14 <= self.accumulator_bits <= 32:
             raise ConfigError(f"{self.name}: accumulator_bits must be in [14, 32], got {self.accumulator_bits}")
@@ -194,6 +212,16 @@ PRESETS: dict[str, NpuConfig] = {
                   sram_bytes=32 * 1024, dram_bytes=64 << 20, dram_bytes_per_cycle=4.0, dram_latency_cycles=100,
                   output_lanes=4, command_overhead_cycles=32, max_kernel=8, max_stride=3,
                   max_dilation=4, max_pool_kernel=16, clock_mhz=400),
+        # SCALE-Sim's 16x16 weight-stationary systolic array (bench/bench_scalesim.py checks its compute
+        # cycles layer by layer): every fold loads its weights and fills and drains the pipeline
+        # (2 * 16 + 16 - 2 cycles), depthwise runs a channel at a time, no issue overhead, one output per
+        # column per cycle, and an SRAM that holds MobileNetV2-0.35-96's layers whole (SCALE-Sim streams a
+        # layer as one operation; a stripe pays the fill of every fold once more).
+        NpuConfig(name="scalesim-16x16", mac_rows=16, mac_cols=16, accumulator_bits=32,
+                  sram_bytes=2048 * 1024, dram_bytes=256 << 20, dram_bytes_per_cycle=16.0, dram_latency_cycles=0,
+                  output_lanes=16, command_overhead_cycles=0, max_kernel=8, max_stride=3,
+                  max_dilation=4, max_pool_kernel=16, clock_mhz=500, fold_fill_cycles=2 * 16 + 16 - 2,
+                  parallel_depthwise=False),
     )
 }
 """Named configurations; :func:`register_preset` and :func:`load_config` add more."""

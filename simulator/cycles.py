@@ -1,15 +1,32 @@
 """First-order cycle model: what each command costs, from the command alone.
 
-Commands run back to back (no DMA/compute overlap yet). A MAC-array command
-costs its issue overhead plus the larger of the array time and the output
-stage time; the array processes ``mac_rows`` output channels times
-``mac_cols`` reduction elements per cycle, so shapes that do not fill it pay
-for the idle lanes. Depthwise convolution has no cross-channel reduction and
-uses one column. A DMA costs its latency plus bytes over bandwidth.
+Each engine runs its commands one after the other; the DMA engine and the compute
+units overlap (:mod:`simulator.timeline`). A MAC-array command costs its issue
+overhead plus the larger of the array time and the output stage time; the output
+stage writes ``output_lanes`` elements per cycle. The array time is a number of
+*folds* (one set of weights held in the array while every output pixel streams
+through) times the pixels streamed per fold plus ``fold_fill_cycles``, at least the
+``mac_cols`` cycles a fold's weights take to enter the array. The array
+sums ``mac_cols`` reduction elements for each of ``mac_rows`` output channels per
+cycle; what fills those lanes is the dataflow of each opcode:
+
+* CONV2D: the reduction is the whole kernel window, ``k_h * k_w * K`` (the feeder
+  packs the im2col row of each pixel into the columns, a tap boundary no lane
+  boundary), so a 3-channel first layer fills ``ceil(27 / C)`` column passes, not
+  nine; output channels on the rows.
+* DEPTHWISE_CONV2D (``parallel_depthwise``): one channel per row, its kernel taps
+  across the columns; without it (a systolic array whose rows share their inputs)
+  one channel at a time on one row.
+* FULLY_CONNECTED and BATCH_MATMUL: the input depth on the columns, the output
+  channels on the rows, one row of the input streamed per cycle.
+
+Shapes that do not fill the array pay for the idle lanes (the ``ceil`` terms). A
+DMA costs its latency plus bytes over bandwidth. docs/cycle_model.md states every
+formula and its limits.
 
 16x8 CONV2D (int16 activations): the array's multipliers are 8 x 8 bits, so each
 int16 activation takes two passes (low and high byte, summed shifted), doubling
-the array time (``ActivationFormat.mac_passes``, as Ethos-U's 16-bit mode runs at
+the streaming time (``ActivationFormat.mac_passes``, as Ethos-U's 16-bit mode runs at
 half rate); the MAC count is unchanged and the output stage still writes
 ``output_lanes`` elements per cycle. DMA time follows the bytes, twice as many.
 """
@@ -40,44 +57,62 @@ def dma_cost(opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> CommandCost:
                        dram_write_bytes=moved if dma.dst_space == MemorySpace.DRAM else 0)
 
 
-def _mac_cost(conv: Convolution | MatMul, config: NpuConfig, macs: int, array_cycles: int) -> CommandCost:
+def _mac_cost(conv: Convolution | MatMul, config: NpuConfig, macs: int, array: int) -> CommandCost:
+    """Issue overhead, then the array and the output stage under it: the slower of the two."""
     outputs = conv.ofm.height * conv.ofm.width * conv.ofm.channels
     output_cycles = math.ceil(outputs / config.output_lanes)
-    return CommandCost(cycles=config.command_overhead_cycles + max(array_cycles, output_cycles), macs=macs)
+    return CommandCost(cycles=config.command_overhead_cycles + max(array, output_cycles), macs=macs)
+
+
+def array_cycles(folds: int, streamed: int, config: NpuConfig) -> int:
+    """``folds`` sets of weights, each streaming ``streamed`` input vectors through the array (one a cycle)
+    plus its ``fold_fill_cycles``. A fold never lasts less than the ``mac_cols`` cycles its weights take to
+    enter the array (one weight per row per cycle): double-buffered weights hide the next fold's load only
+    under a fold at least that long, so a layer of few pixels (a fully connected one: one) is bound by its
+    weights, as every weight is used that few times."""
+    return folds * max(streamed + config.fold_fill_cycles, config.mac_cols)
 
 
 def conv2d_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+    """The whole window is the reduction: ceil(k_h*k_w*K / C) column passes times ceil(N / R) row passes,
+    each streaming every output pixel (twice for int16 activations)."""
     pixels = conv.ofm.height * conv.ofm.width
-    taps = conv.kernel[0] * conv.kernel[1]
-    macs = pixels * taps * conv.ifm.channels * conv.ofm.channels
-    array = (pixels * taps * math.ceil(conv.ifm.channels / config.mac_cols)
-             * math.ceil(conv.ofm.channels / config.mac_rows) * ACTIVATION_FORMATS[conv.ifm.dtype].mac_passes)
-    return _mac_cost(conv, config, macs, array)
+    window = conv.kernel[0] * conv.kernel[1] * conv.ifm.channels
+    macs = pixels * window * conv.ofm.channels
+    folds = math.ceil(window / config.mac_cols) * math.ceil(conv.ofm.channels / config.mac_rows)
+    streamed = pixels * ACTIVATION_FORMATS[conv.ifm.dtype].mac_passes
+    return _mac_cost(conv, config, macs, array_cycles(folds, streamed, config))
 
 
 def depthwise_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+    """Channels on the rows (R at a time, or one with ``parallel_depthwise`` off), each channel's kernel
+    taps across the columns: ceil(k_h*k_w / C) passes per group of channels, each streaming every pixel."""
     pixels = conv.ofm.height * conv.ofm.width
     taps = conv.kernel[0] * conv.kernel[1]
-    macs = pixels * taps * conv.ofm.channels
-    return _mac_cost(conv, config, macs, pixels * taps * math.ceil(conv.ofm.channels / config.mac_rows))
+    channels = conv.ofm.channels
+    macs = pixels * taps * channels
+    groups = math.ceil(channels / config.mac_rows) if config.parallel_depthwise else channels
+    folds = math.ceil(taps / config.mac_cols) * groups
+    return _mac_cost(conv, config, macs, array_cycles(folds, pixels, config))
 
 
 def fully_connected_cost(opcode: Opcode, conv: Convolution, config: NpuConfig) -> CommandCost:
+    """ceil(K / C) x ceil(N / R) folds, each streaming the M input rows."""
     batch = conv.ifm.height
     macs = batch * conv.ifm.channels * conv.ofm.channels
-    array = batch * math.ceil(conv.ifm.channels / config.mac_cols) * math.ceil(conv.ofm.channels / config.mac_rows)
-    return _mac_cost(conv, config, macs, array)
+    folds = math.ceil(conv.ifm.channels / config.mac_cols) * math.ceil(conv.ofm.channels / config.mac_rows)
+    return _mac_cost(conv, config, macs, array_cycles(folds, batch, config))
 
 
 def batch_matmul_cost(opcode: Opcode, op: MatMul, config: NpuConfig) -> CommandCost:
     """Each row of each batch's left operand is one fully connected input against the right operand's N
     columns (read transposed or not at the same rate): mac_cols of the shared axis times mac_rows columns
-    per cycle, as FULLY_CONNECTED."""
+    per cycle, as FULLY_CONNECTED, each batch with folds of its own right operand."""
     batches, rows, depth = op.ifm.height, op.ifm.width, op.ifm.channels
     columns = op.ofm.channels
     macs = batches * rows * depth * columns
-    array = batches * rows * math.ceil(depth / config.mac_cols) * math.ceil(columns / config.mac_rows)
-    return _mac_cost(op, config, macs, array)
+    folds = batches * math.ceil(depth / config.mac_cols) * math.ceil(columns / config.mac_rows)
+    return _mac_cost(op, config, macs, array_cycles(folds, rows, config))
 
 
 def elementwise_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:

@@ -40,7 +40,9 @@ INT16 feature map in an older format and the decoder refuses one in a stream tha
 2.4 added ``Command.deps``: the earlier commands a command waits for, so that the DMA engine and the
 compute units overlap (:mod:`simulator.timeline`). Absent, as in every older stream, a command waits for
 the previous one: the stream runs serially, as it always did. The encoder refuses to write explicit
-dependencies in an older format."""
+dependencies in an older format. 2.4 also added the MAC array's dataflow to ``HardwareConfig``
+(``NpuConfig.fold_fill_cycles``, ``parallel_depthwise``); absent, they mean their defaults, and an older
+format cannot carry other values."""
 
 READABLE_MAJORS = (1, 2)
 

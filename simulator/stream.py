@@ -65,6 +65,15 @@ OVERFLOW_CODES = {mode: getattr(fb_overflow.AccumulatorOverflow, mode.upper()) f
 """``NpuConfig.accumulator_overflow`` -> the schema's ``AccumulatorOverflow`` value (format 2.1)."""
 OVERFLOW_SINCE = (2, 1)
 """The format that added ``HardwareConfig.accumulator_overflow``; older streams mean ``"wrap"``."""
+ARRAY_FIELDS_SINCE = (2, 4)
+ARRAY_FIELDS = ("fold_fill_cycles", "parallel_depthwise")
+"""``HardwareConfig`` fields of the MAC array's dataflow (format 2.4); older streams mean their defaults."""
+
+
+def _new_array_fields(config: NpuConfig) -> list[str]:
+    """The dataflow fields of ``config`` away from their defaults, which formats before 2.4 cannot say."""
+    return [f"{name}={getattr(config, name)!r}" for name in ARRAY_FIELDS
+            if getattr(config, name) != NpuConfig.__dataclass_fields__[name].default]
 
 
 def _int16_feature_map(commands) -> str | None:
@@ -198,6 +207,10 @@ def encode_stream(stream: CommandStream) -> bytes:
         raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry accumulator_overflow "
                           f"{stream.config.accumulator_overflow!r} (added in {OVERFLOW_SINCE[0]}.{OVERFLOW_SINCE[1]}); "
                           f"its readers would wrap")
+    late = _new_array_fields(stream.config) if tuple(stream.version) < ARRAY_FIELDS_SINCE else []
+    if late:
+        raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry {', '.join(late)} (added in "
+                          f"{ARRAY_FIELDS_SINCE[0]}.{ARRAY_FIELDS_SINCE[1]}); its readers would time another array")
     wide = _int16_feature_map(stream.commands) if tuple(stream.version) < DTYPE_SINCE else None
     if wide is not None:
         raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry the INT16 feature map of "
@@ -303,6 +316,9 @@ def _decode_hardware(root, version: tuple[int, int]) -> NpuConfig:
         config = NpuConfig(name=_text(raw.Name()), **values)
     except ConfigError as exc:
         raise StreamError(f"invalid hardware configuration in stream: {exc}") from None
+    late = _new_array_fields(config) if version < ARRAY_FIELDS_SINCE else []
+    if late:
+        raise StreamError(f"{', '.join(late)} is not defined in format {version[0]}.{version[1]}")
     if _text(raw.Fingerprint()) != config.fingerprint:
         raise StreamError(f"hardware fingerprint {_text(raw.Fingerprint())!r} does not match the configuration's "
                           f"numbers ({config.fingerprint!r}): the stream is corrupt")

@@ -183,7 +183,10 @@ def test_matmul_command_round_trips_and_costs_as_fully_connected_rows():
     assert decoded == stream and decoded.commands[0].payload.adj_y is True
     _, stats = run_stream(decoded, {})
     (command,) = stats.commands
-    array = 2 * 5 * -(-7 // BASE.mac_cols) * -(-3 // BASE.mac_rows)
+    # Each batch holds its own right operand in the array: 2 batches x ceil(7 / C) x ceil(3 / R) folds, each
+    # streaming 5 rows but lasting the C cycles its weights take to enter the array (docs/cycle_model.md).
+    folds = 2 * -(-7 // BASE.mac_cols) * -(-3 // BASE.mac_rows)
+    array = folds * max(5, BASE.mac_cols)
     outputs = -(-(2 * 5 * 3) // BASE.output_lanes)
     assert command.cycles == BASE.command_overhead_cycles + max(array, outputs) and command.macs == 2 * 5 * 7 * 3
     with pytest.raises(StreamError, match=r"BATCH_MATMUL is not defined in format 2.1 \(added in 2.2\)"):

@@ -164,3 +164,22 @@ def test_dependencies_round_trip_and_older_formats_refuse_them():
     old = decode_stream(encode_stream(dataclasses.replace(_stream(two_layers()), version=(2, 3))))
     assert all(c.deps is None for c in old.commands)
     assert schedule(old, CONFIG)[-1].end == 688
+
+
+def test_the_array_dataflow_fields_need_format_2_4():
+    """SCALE-Sim's array (``fold_fill_cycles``, ``parallel_depthwise``) is timed otherwise: a 2.3 stream cannot
+    say so, in either direction."""
+    import simulator.stream
+
+    scalesim = get_config("scalesim-16x16")
+    stream = CommandStream("one", scalesim, _buffers(), tuple(two_layers()))
+    assert decode_stream(encode_stream(stream)).config == scalesim
+    older = dataclasses.replace(stream, version=(2, 3))
+    with pytest.raises(StreamError, match=r"format 2.3 cannot carry fold_fill_cycles=46, parallel_depthwise=False"):
+        encode_stream(older)
+    with pytest.MonkeyPatch.context() as patch:  # a writer that wrongly thought 2.3 had them
+        patch.setattr(simulator.stream, "ARRAY_FIELDS_SINCE", (2, 3))
+        forged = encode_stream(older)
+    with pytest.raises(StreamError, match=r"fold_fill_cycles=46, parallel_depthwise=False is not defined in "
+                                          r"format 2.3"):
+        decode_stream(forged)

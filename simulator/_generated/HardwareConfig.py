@@ -161,7 +161,21 @@ class HardwareConfig(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
-def HardwareConfigStart(builder): builder.StartObject(19)
+    # HardwareConfig
+    def FoldFillCycles(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(42))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Int64Flags, o + self._tab.Pos)
+        return 0
+
+    # HardwareConfig
+    def ParallelDepthwise(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(44))
+        if o != 0:
+            return bool(self._tab.Get(flatbuffers.number_types.BoolFlags, o + self._tab.Pos))
+        return True
+
+def HardwareConfigStart(builder): builder.StartObject(21)
 def Start(builder):
     return HardwareConfigStart(builder)
 def HardwareConfigAddName(builder, name): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(name), 0)
@@ -221,6 +235,12 @@ def AddLutEntries(builder, lutEntries):
 def HardwareConfigAddAccumulatorOverflow(builder, accumulatorOverflow): builder.PrependUint8Slot(18, accumulatorOverflow, 0)
 def AddAccumulatorOverflow(builder, accumulatorOverflow):
     return HardwareConfigAddAccumulatorOverflow(builder, accumulatorOverflow)
+def HardwareConfigAddFoldFillCycles(builder, foldFillCycles): builder.PrependInt64Slot(19, foldFillCycles, 0)
+def AddFoldFillCycles(builder, foldFillCycles):
+    return HardwareConfigAddFoldFillCycles(builder, foldFillCycles)
+def HardwareConfigAddParallelDepthwise(builder, parallelDepthwise): builder.PrependBoolSlot(20, parallelDepthwise, 1)
+def AddParallelDepthwise(builder, parallelDepthwise):
+    return HardwareConfigAddParallelDepthwise(builder, parallelDepthwise)
 def HardwareConfigEnd(builder): return builder.EndObject()
 def End(builder):
     return HardwareConfigEnd(builder)
