@@ -1,11 +1,13 @@
-"""Per-operator tile programs: the commands one layer becomes, DMA included.
+"""Per-operator DRAM-in/DRAM-out tile programs: the commands one layer becomes, DMA included.
 
 Each ``emit_*`` receives the layer's record, the plan its operator's planner
 chose (:mod:`npu_backend.tiling`) and the constants its preparation computed
 (:mod:`npu_backend.prepare`), so the check that offloaded the layer and the
-code that lowers it cannot disagree. Every layer reads its input from DRAM and
-writes its output to DRAM (region inputs/outputs, or scratch buffers between
-layers); within a layer the tiles are moved with explicit DMA commands.
+code that lowers it cannot disagree. Such a layer reads its input from DRAM and
+writes its output to DRAM; within it the tiles are moved with explicit DMA
+commands. The region scheduler (:mod:`npu_backend.codegen.schedule`) runs them
+for layers without a row program (:mod:`npu_backend.codegen.programs`), giving
+them the whole SRAM for their step, and for a whole region it cannot fit.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """Lowering of one NPU region (a ``Codegen="npu"`` function) to a command stream.
 
 Each composite of the region is rebuilt as its record from its ``npu.*``
-attributes (never from its body) and lowered by its operator's definition
-(:mod:`npu_backend.ops`): checked with the same rules that offloaded it,
-planned, prepared, then emitted as a tile program.
+attributes (never from its body); the region becomes a :class:`RegionGraph`,
+which :func:`npu_backend.codegen.graph.lower_graph` schedules and emits.
 """
 
 from __future__ import annotations
@@ -12,26 +11,17 @@ import tvm
 from tvm import relax
 
 from simulator.config import NpuConfig
-from simulator.hazards import dependencies
-from simulator.isa import BufferKind, CommandStream
+from simulator.isa import CommandStream
 
 from ..errors import UnsupportedOpError
-from ..legality import check
-from ..ops import decode_composite, op_def
-from ..params import OPERANDS_ATTR, NpuParams
-from .emit import StreamBuilder
+from ..ops import decode_composite
+from ..params import OPERANDS_ATTR
+from .graph import GraphLayer, RegionGraph, Tensor, lower_graph, lower_layer
+
+__all__ = ["lower_layer", "lower_region", "lower_module", "npu_regions", "region_graph", "CONFIG_ATTR"]
 
 CONFIG_ATTR = "npu.config"
 """Region attribute: the JSON of the ``NpuConfig`` the region was partitioned for."""
-
-
-def lower_layer(sb: StreamBuilder, p: NpuParams, layer: str, sources: list, dst: int) -> None:
-    """Append the commands of one layer; refuse a record its operator's rules reject on this hardware."""
-    definition = op_def(p.op)
-    reason, plan, prepared = check(definition, p, sb.config)
-    if reason is not None:
-        raise UnsupportedOpError(f"{layer} ({definition.composite}) cannot run on {sb.config.name}: {reason}")
-    definition.lower(sb, p, plan, prepared, layer, sources, dst)
 
 
 def _shape_of(expr) -> tuple[int, ...]:
@@ -45,21 +35,14 @@ def _region_outputs(func: relax.Function, bindings: dict) -> list:
     return list(result.fields) if isinstance(result, relax.Tuple) else [result]
 
 
-def lower_region(func: relax.Function, symbol: str) -> CommandStream:
-    """Turn a merged NPU region into a command stream for the hardware it was partitioned for."""
-    config = NpuConfig.from_json(str(func.attrs[CONFIG_ATTR]))
-    sb = StreamBuilder(config)
+def region_graph(func: relax.Function, symbol: str) -> RegionGraph:
+    """The region's inputs, outputs and composite calls (in order) as a :class:`RegionGraph`."""
     bindings = {b.var: b.value for block in func.body.blocks for b in block.bindings}
-    values: dict = {}
-    for param in func.params:
-        values[param] = sb.add_buffer(param.name, BufferKind.INPUT, _shape_of(param),
-                                      str(param.ty.dtype))
+    tensors: dict = {param: Tensor(param.name, _shape_of(param), str(param.ty.dtype)) for param in func.params}
     outputs = _region_outputs(func, bindings)
-    for k, var in enumerate(outputs):
-        if var in values:
-            raise UnsupportedOpError("an NPU region cannot return its own input")
-        values[var] = sb.add_buffer(f"output{k}", BufferKind.OUTPUT, _shape_of(var), str(var.ty.dtype))
-    layer_index = 0
+    if any(var in tensors for var in outputs):
+        raise UnsupportedOpError("an NPU region cannot return its own input")
+    layers = []
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value
@@ -69,15 +52,18 @@ def lower_region(func: relax.Function, symbol: str) -> CommandStream:
             if not isinstance(callee, relax.Function):
                 raise UnsupportedOpError(f"NPU region {symbol} holds a binding that is not a composite call")
             params = decode_composite(callee.attrs)
-            layer = f"{params.op.value}_{layer_index}"
-            layer_index += 1
-            if binding.var not in values:
-                values[binding.var] = sb.add_buffer(f"{layer}.ofm", BufferKind.SCRATCH, _shape_of(binding.var),
-                                                    str(binding.var.ty.dtype))
-            sources = [values[value.args[int(i)]] if int(i) >= 0 else None for i in callee.attrs[OPERANDS_ATTR]]
-            lower_layer(sb, params, layer, sources, values[binding.var])
-    return CommandStream(name=symbol, config=config, buffers=tuple(sb.buffers),
-                         commands=dependencies(sb.commands, config))
+            name = f"{params.op.value}_{len(layers)}"
+            operands = tuple(tensors[value.args[int(i)]] if int(i) >= 0 else None
+                             for i in callee.attrs[OPERANDS_ATTR])
+            tensors[binding.var] = Tensor(f"{name}.ofm", _shape_of(binding.var), str(binding.var.ty.dtype))
+            layers.append(GraphLayer(name, params, tensors[binding.var], operands))
+    return RegionGraph(tuple(tensors[p] for p in func.params), tuple(tensors[v] for v in outputs), tuple(layers))
+
+
+def lower_region(func: relax.Function, symbol: str) -> CommandStream:
+    """Turn a merged NPU region into a command stream for the hardware it was partitioned for."""
+    config = NpuConfig.from_json(str(func.attrs[CONFIG_ATTR]))
+    return lower_graph(region_graph(func, symbol), config, symbol)
 
 
 def npu_regions(mod: tvm.IRModule) -> dict[str, relax.Function]:

@@ -1,0 +1,261 @@
+"""The region scheduler: maps kept in SRAM, spills, cascades, allocation by liveness, prefetch.
+
+Regions are built as :class:`RegionGraph` values from random layer records, lowered through the scheduler
+and, as the reference, layer by layer through DRAM (every layer's own tile program); both streams run on
+the simulator and must agree on every output element.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+from layer_streams import random_params
+from npu_backend.codegen.allocate import SramBuffer, allocate
+from npu_backend.codegen.graph import GraphLayer, RegionGraph, Tensor, lower_graph
+from npu_backend.params import ElementwiseParams, NpuOp
+from simulator import BufferKind, Opcode, get_config, run_stream
+from simulator.hazards import accesses
+
+NPU_256 = get_config("npu-256")
+
+
+def _chain(rng, shapes_and_ops, x_shape):
+    """A region: ``x`` -> each (op, kwargs) in turn -> the last result as its output."""
+    x = Tensor("x", x_shape)
+    layers, current = [], x
+    for k, (op, kwargs) in enumerate(shapes_and_ops):
+        p = random_params(rng, op, current.shape, **kwargs)
+        result = Tensor(f"{op.value}_{k}.ofm", p.ofm_shape)
+        layers.append(GraphLayer(f"{op.value}_{k}", p, result, (current,)))
+        current = result
+    return RegionGraph((x,), (current,), tuple(layers))
+
+
+def _add(rng, name: str, a: Tensor, b: Tensor) -> GraphLayer:
+    p = ElementwiseParams(op=NpuOp.ADD, shape=a.shape, input_scale=0.3, input_zero_point=int(rng.integers(-5, 5)),
+                          input2_scale=0.3, input2_zero_point=int(rng.integers(-5, 5)), output_scale=0.5,
+                          output_zero_point=int(rng.integers(-5, 5)), clamp=(-128, 127))
+    return GraphLayer(name, p, Tensor(f"{name}.ofm", a.shape), (a, b))
+
+
+def _run_both(graph: RegionGraph, config, seed: int = 0):
+    """(scheduled stream, its run statistics); asserts it equals the layer-by-layer lowering exactly."""
+    scheduled = lower_graph(graph, config, "region")
+    reference = lower_graph(graph, config, "region", scheduled=False)
+    rng = np.random.default_rng(seed)
+    inputs = {t.name: rng.integers(-128, 128, t.shape).astype(np.int8) for t in graph.inputs}
+    got, stats = run_stream(scheduled, inputs)
+    expected, _ = run_stream(reference, inputs)
+    assert got.keys() == expected.keys()
+    for name in expected:
+        np.testing.assert_array_equal(got[name], expected[name])
+    return scheduled, stats
+
+
+def _dram_bytes(stream, kind: BufferKind, direction: str) -> int:
+    """Bytes the stream's DMA commands read from (``"read"``) or write to (``"write"``) buffers of ``kind``."""
+    total = 0
+    for command in stream.commands:
+        if command.opcode != Opcode.DMA_COPY:
+            continue
+        p = command.payload
+        buffer = p.src_buffer if direction == "read" else p.dst_buffer
+        space = p.src_space if direction == "read" else p.dst_space
+        if space == 0 and stream.buffers[buffer].kind == kind:
+            total += p.bytes_moved
+    return total
+
+
+SMALL_CHAIN = [(NpuOp.CONV2D, dict(out_channels=16, kernel=(1, 1), padding=(0, 0, 0, 0))),
+               (NpuOp.DEPTHWISE_CONV2D, {}), (NpuOp.CONV2D, dict(out_channels=8))]
+"""1x1 first (its input rows are read once whatever the stripes), then two 3x3 layers."""
+
+
+def test_a_chain_of_small_layers_stays_in_sram():
+    """Between the layers nothing goes through DRAM: the input is read once, each layer's constants once,
+    the output written once."""
+    graph = _chain(np.random.default_rng(1), SMALL_CHAIN, (1, 12, 12, 8))
+    stream, stats = _run_both(graph, NPU_256)
+    assert not [b for b in stream.buffers if b.kind == BufferKind.SCRATCH]
+    constants = sum(b.size for b in stream.buffers if b.kind == BufferKind.CONSTANT)
+    assert _dram_bytes(stream, BufferKind.INPUT, "read") == 12 * 12 * 8
+    assert _dram_bytes(stream, BufferKind.CONSTANT, "read") == constants
+    assert _dram_bytes(stream, BufferKind.OUTPUT, "write") == 12 * 12 * 8
+    assert stats.total_dram_bytes == 12 * 12 * 8 * 2 + constants
+    layers = [c.layer for c in stream.commands if c.opcode != Opcode.DMA_COPY]
+    assert sorted(set(layers), key=layers.index) == ["conv2d_0", "depthwise_conv2d_1", "conv2d_2"]
+    assert layers.count("depthwise_conv2d_1") == 1  # between SRAM maps, one command does the whole layer
+
+
+def test_the_layer_by_layer_lowering_moves_every_map_through_dram():
+    """The same chain lowered without the scheduler: each intermediate map is written and read back."""
+    graph = _chain(np.random.default_rng(1), SMALL_CHAIN, (1, 12, 12, 8))
+    stream = lower_graph(graph, NPU_256, "region", scheduled=False)
+    scratch = [b for b in stream.buffers if b.kind == BufferKind.SCRATCH]
+    assert [b.size for b in scratch] == [12 * 12 * 16, 12 * 12 * 16]
+    assert _dram_bytes(stream, BufferKind.SCRATCH, "write") == 2 * 12 * 12 * 16
+
+
+def _residual_block(rng, x_shape, expand: int):
+    """in -> conv (X) -> 1x1 expand -> depthwise -> 1x1 project -> add(X, ...): X lives across the block."""
+    x = Tensor("x", x_shape)
+    channels = x_shape[-1]
+    p0 = random_params(rng, NpuOp.CONV2D, x_shape, out_channels=channels)
+    skip = Tensor("conv_0.ofm", p0.ofm_shape)
+    p1 = random_params(rng, NpuOp.CONV2D, skip.shape, out_channels=expand, kernel=(1, 1), padding=(0, 0, 0, 0))
+    wide = Tensor("conv_1.ofm", p1.ofm_shape)
+    p2 = random_params(rng, NpuOp.DEPTHWISE_CONV2D, wide.shape)
+    dw = Tensor("dw_2.ofm", p2.ofm_shape)
+    p3 = random_params(rng, NpuOp.CONV2D, dw.shape, out_channels=channels, kernel=(1, 1), padding=(0, 0, 0, 0))
+    narrow = Tensor("conv_3.ofm", p3.ofm_shape)
+    add = _add(rng, "add_4", skip, narrow)
+    layers = (GraphLayer("conv_0", p0, skip, (x,)), GraphLayer("conv_1", p1, wide, (skip,)),
+              GraphLayer("dw_2", p2, dw, (wide,)), GraphLayer("conv_3", p3, narrow, (dw,)), add)
+    return RegionGraph((x,), (add.result,), layers)
+
+
+def test_a_residual_block_fits_and_keeps_its_skip_map():
+    graph = _residual_block(np.random.default_rng(2), (1, 16, 16, 16), 64)
+    stream, stats = _run_both(graph, NPU_256)
+    assert not [b for b in stream.buffers if b.kind == BufferKind.SCRATCH]
+    assert _dram_bytes(stream, BufferKind.OUTPUT, "write") == 16 * 16 * 16
+
+
+def test_a_map_too_large_for_sram_is_cascaded_by_stripes():
+    """The 64-channel map (16 KiB) is over a third of a 32 KiB SRAM: expand, depthwise and project run
+    stripe by stripe (rows shared by two stripes' windows recomputed) and the map never reaches DRAM."""
+    tiny = get_config("npu-tiny")
+    graph = _residual_block(np.random.default_rng(3), (1, 16, 16, 16), 64)
+    stream, stats = _run_both(graph, tiny)
+    names = [b.name for b in stream.buffers if b.kind == BufferKind.SCRATCH]
+    assert "conv_1.ofm" not in names and "dw_2.ofm" not in names
+    per_layer = {}
+    for c in stream.commands:
+        if c.opcode != Opcode.DMA_COPY:
+            per_layer[c.layer] = per_layer.get(c.layer, 0) + 1
+    assert per_layer["conv_1"] > 1 and per_layer["dw_2"] == per_layer["conv_1"]
+    expand_rows = sum(c.payload.ofm.height for c in stream.commands
+                      if c.layer == "conv_1" and c.opcode == Opcode.CONV2D)
+    assert expand_rows > 16  # halo rows recomputed
+    assert sum(c.payload.ofm.height for c in stream.commands if c.layer == "dw_2") == 16
+
+
+def test_a_map_is_spilled_when_sram_is_too_small_to_keep_it():
+    """On a 16 KiB SRAM the skip map (4 KiB) cannot stay whole across the block's stripes next to them: it
+    is written to DRAM once and read back for the addition."""
+    small = dataclasses.replace(get_config("npu-tiny"), name="npu-16k", sram_bytes=16 * 1024)
+    graph = _residual_block(np.random.default_rng(4), (1, 16, 16, 16), 48)
+    stream, _ = _run_both(graph, small)
+    scratch = {b.name: i for i, b in enumerate(stream.buffers) if b.kind == BufferKind.SCRATCH}
+    assert "conv_0.ofm" in scratch
+    written = sum(c.payload.bytes_moved for c in stream.commands if c.opcode == Opcode.DMA_COPY
+                  and c.payload.dst_space == 0 and c.payload.dst_buffer == scratch["conv_0.ofm"])
+    assert written == 16 * 16 * 16
+    on_256 = lower_graph(graph, NPU_256, "region")
+    assert not [b for b in on_256.buffers if b.kind == BufferKind.SCRATCH]
+
+
+def test_allocation_by_liveness_shares_addresses_between_disjoint_lifetimes():
+    first, second, across = SramBuffer("a", 96, 0, 1), SramBuffer("b", 96, 2, 3), SramBuffer("c", 48, 1, 2)
+    assert allocate([first, second, across], 256, 16) is None
+    assert (first.address, second.address, across.address) == (0, 0, 96)
+    crowd = SramBuffer("d", 128, 1, 1)  # at step 1: 96 + 48 + 128 bytes > 256
+    assert allocate([first, second, across, crowd], 256, 16) is across  # the largest are placed first
+
+
+def test_maps_with_disjoint_lifetimes_share_sram_in_a_region():
+    """Five 1x1 layers on npu-tiny (32 KiB): their four intermediate maps of 10 KiB each (40 KiB together)
+    all stay in SRAM, which only works if a map's bytes are reused once its last reader has run."""
+    one_by_one = dict(out_channels=16, kernel=(1, 1), padding=(0, 0, 0, 0))
+    graph = _chain(np.random.default_rng(5), [(NpuOp.CONV2D, one_by_one)] * 5, (1, 20, 32, 16))
+    stream, _ = _run_both(graph, get_config("npu-tiny"))
+    assert not [b for b in stream.buffers if b.kind == BufferKind.SCRATCH]
+    assert _dram_bytes(stream, BufferKind.OUTPUT, "write") == 20 * 32 * 16
+    written = {}
+    for c in stream.commands:
+        if c.opcode == Opcode.CONV2D:
+            ofm = c.payload.ofm
+            written.setdefault(c.layer, set()).update(range(ofm.address, ofm.address + ofm.nbytes))
+    middle = [written[f"conv2d_{k}"] for k in range(4)]
+    assert all(len(m) == 20 * 32 * 16 for m in middle)
+    assert any(middle[i] & middle[j] for i in range(4) for j in range(i + 2, 4))  # a dead map's bytes reused
+
+
+def test_no_two_live_buffers_overlap_and_every_hazard_is_ordered():
+    """The stream passes the simulator's dependency check, and no compute command writes bytes a command
+    still waiting to run reads (the allocator's invariant, seen from the commands)."""
+    from simulator.hazards import check_dependencies
+
+    graph = _residual_block(np.random.default_rng(6), (1, 24, 24, 16), 96)
+    for config in (NPU_256, get_config("npu-tiny")):
+        stream, _ = _run_both(graph, config)
+        check_dependencies(stream, config)
+        for command in stream.commands:
+            for access in accesses(command, config):
+                assert 0 <= access.start < access.stop
+
+
+def test_prefetch_overlaps_the_next_stripe_with_this_one():
+    """With stripes, the DMA engine loads stripe k + 1 while stripe k computes: the makespan is below the
+    sum of both engines' busy cycles, and each stripe's input load comes before the previous stripe's store."""
+    from simulator.opcodes import Engine
+
+    tiny = get_config("npu-tiny")
+    graph = _chain(np.random.default_rng(7), [(NpuOp.CONV2D, dict(out_channels=32))], (1, 32, 32, 16))
+    stream, stats = _run_both(graph, tiny)
+    assert stats.total_cycles < stats.busy_cycles(Engine.DMA) + stats.busy_cycles(Engine.COMPUTE)
+    kinds = []
+    for c in stream.commands:
+        if c.opcode == Opcode.DMA_COPY:
+            kinds.append("load" if c.payload.dst_space == 1 and stream.buffers[c.payload.src_buffer].kind
+                         == BufferKind.INPUT else "store" if c.payload.src_space == 1 else "constant")
+        else:
+            kinds.append("compute")
+    first_store = kinds.index("store")
+    assert kinds[:first_store].count("load") >= 2  # the second stripe's rows are loaded before the first is stored
+    assert kinds.count("compute") > 1
+
+
+def test_tiled_layer_feeds_its_depthwise_follower_from_sram():
+    """A 1x1 convolution whose weights exceed a quarter of SRAM runs in output-channel tiles; the depthwise
+    layer after it takes each tile from SRAM, so the wide map is never stored."""
+    rng = np.random.default_rng(8)
+    chain = [(NpuOp.CONV2D, dict(out_channels=256, kernel=(1, 1), padding=(0, 0, 0, 0))),
+             (NpuOp.DEPTHWISE_CONV2D, {})]
+    graph = _chain(rng, chain, (1, 7, 7, 64))  # 16 KiB of weights: over a quarter of npu-tiny's SRAM
+    stream, _ = _run_both(graph, get_config("npu-tiny"))
+    names = [b.name for b in stream.buffers if b.kind == BufferKind.SCRATCH]
+    assert "conv2d_0.ofm" not in names
+    convs = [c for c in stream.commands if c.opcode == Opcode.CONV2D]
+    depthwise = [c for c in stream.commands if c.opcode == Opcode.DEPTHWISE_CONV2D]
+    assert sum(c.payload.ofm.height * c.payload.ofm.channels for c in convs) == 7 * 256  # each output once
+    assert len(depthwise) > 1 and sum(c.payload.ofm.channels for c in depthwise) == 256
+    assert len(convs) == len(depthwise) + 1  # the first tile in two row stripes: it starts on the first rows
+
+
+@pytest.mark.parametrize("preset", ["npu-256", "npu-tiny"])
+def test_mobilenet_v2_035_96_runs_bit_exact_on(preset):
+    """TFLite's reference outputs, on the preset's SRAM: on npu-tiny (32 KiB) with maps spilled and layers
+    in stripes."""
+    import tvm
+    from tvm import relax
+
+    import npu_backend
+    from conftest import FIXTURES
+    from npu_backend.codegen.lower import lower_module
+
+    model = FIXTURES / "tflite" / "mobilenet_v2_035_96.tflite"
+    golden = np.load(model.with_suffix(".npz"))
+    partitioned = npu_backend.partition_for_npu(npu_backend.load_tflite(model), preset=preset)
+    (stream,) = lower_module(partitioned).values()
+    computes = [c for c in stream.commands if c.opcode != Opcode.DMA_COPY]
+    assert len(computes) > len({c.layer for c in computes})  # some layers run in stripes or tiles
+    if preset == "npu-tiny":
+        assert [b for b in stream.buffers if b.kind == BufferKind.SCRATCH]
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    for x, expected in list(zip(golden["inputs"], golden["outputs"]))[:2]:
+        got = vm["main"](tvm.runtime.tensor(x)).numpy()
+        np.testing.assert_array_equal(got, expected)
