@@ -20,11 +20,9 @@ from .config import NpuConfig
 from .errors import ExecutionError
 from .hazards import waits_for
 from .isa import BufferKind, CommandStream, Opcode
-from .kernels import MachineState
-from .opcodes import Engine, opcode_def
+from .opcodes import Engine
 from .stream import decode_stream
-from .timeline import Slot, schedule
-from .validate import validate_stream
+from .timeline import Slot
 
 
 @dataclass(frozen=True)
@@ -123,21 +121,11 @@ def run_stream(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],
     """
     if not isinstance(stream, CommandStream):
         stream = decode_stream(stream)
-    config = config or stream.config
-    validate_stream(stream, config)
-    loaded = _load_inputs(stream, inputs)
-    dram = []
-    for index, buf in enumerate(stream.buffers):
-        if buf.kind == BufferKind.CONSTANT:
-            dram.append(np.frombuffer(buf.data, dtype=np.uint8))
-        else:
-            dram.append(loaded.get(index, np.zeros(buf.size, dtype=np.uint8)))
-    state = MachineState(sram=np.zeros(config.sram_bytes, dtype=np.uint8), dram=dram)
-    overflows = [opcode_def(command.opcode).execute(state, command.opcode, command.payload, config)
-                 for command in stream.commands]
-    outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape(buf.shape).copy()
-               for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
-    return outputs, run_stats(stream, config, schedule(stream, config), overflows)
+    # Validated, scheduled and run by prepared steps (simulator.prepared, which builds on this module's
+    # statistics, hence the import here); running the same stream object again reuses its preparation.
+    from .prepared import recently_prepared
+
+    return recently_prepared(stream, config or stream.config).run(inputs)
 
 
 def run_stats(stream: CommandStream, config: NpuConfig, slots: tuple[Slot, ...], overflows: list[int]) -> RunStats:

@@ -44,7 +44,10 @@ scales into a multiplier at preparation time, onnxruntime computing in float32.
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from enum import IntEnum
 from fractions import Fraction
 
@@ -298,62 +301,267 @@ def requantize(acc, multiplier, shift, output_zero_point, act_min, act_max,
     return np.clip(scaled + int(output_zero_point), act_min, act_max).astype(out_dtype)
 
 
-FLOAT64_REQUANTIZE_PRODUCTS = 1 << 52
-"""|acc * 2**left_shift * multiplier| below this: :func:`requantize`'s float64 path is exact."""
-FLOAT64_REQUANTIZE_MAX_RIGHT_SHIFT = 21
-"""Right shifts up to this keep the float64 path's rounding offsets within its 53 bits."""
+FLOAT64_EXACT_UNITS = 1 << 53
+"""Integer multiples of a power of two are exact in float64 below this many of them (53-bit significand)."""
+TILED = (False, True, True)
+"""Which of (scale, constant, nudge) :meth:`Float64Requantizer.bind` tiles to a whole block: the additions gain
+most from a same-shape operand, and a stream's tiles are read on every run, so the multiply keeps its row..."""
+TILE_SCALE_BELOW = 64
+"""...except for fewer channels than this, where a row is too short a loop for the multiply too."""
 REQUANTIZE_BLOCK = 1 << 15
-"""Accumulators the float64 path requantizes at a time (256 KiB of float64: an L2-sized block)."""
+"""Accumulators the float64 path requantizes at a time (256 KiB of float64): large blocks spend fewer calls,
+and the tiled constants (:meth:`Float64Requantizer.bind`) of one block stay small."""
+
+
+@dataclass(frozen=True)
+class Float64Requantizer:
+    """``Rounding.TFLITE_DOUBLE`` requantization of one set of channels, folded into float64 constants once.
+
+    Exactly TFLite's ``MultiplyByQuantizedMultiplier`` (plus bias, zero point and clamp) for every
+    accumulator ``|acc| <= limit``, in five float64 passes (eight where the clamp lets negative values
+    through): ``w = acc * scale + constant``, ``w -= nudge`` where ``w < 1/2``, clamp, floor, add the zero
+    point. Why it is exact: with ``F = ((acc + bias) << L) * m`` (no int32 wrap: ``limit`` sees to it) the high
+    multiply is ``h = floor(F / 2**31 + 1/2)`` (``(F + 2**30) >> 31``; for ``F < 0`` gemmlowp's nudge
+    ``1 - 2**30`` and truncation give the same floor, and the saturating case needs ``m = -2**31``,
+    impossible). The rounding shift by ``R >= 1`` is ``floor((h + 2**(R-1) - [h < 0]) / 2**R)``, and
+    ``floor((floor(t) + c) / D) = floor((t + c) / D)`` for integer ``c`` and ``D``, so the result is one floor,
+    ``floor(F / 2**(31+R) + 2**-(1+R) + 1/2 - [F < -2**30] / 2**R)`` (for ``R = 0``: ``floor(F / 2**31 + 1/2)``),
+    and ``F < -2**30`` is ``w < 1/2``. Every value on the way is an integer multiple of ``g = 2**(L-R-31)``
+    (``scale = m * g``), so each float64 operation is exact while the multiples stay below 2**53: ``limit`` is
+    the largest ``|acc|`` for which they do in every channel (negative: none). The floor of a value already
+    clamped to the output range, plus the zero point, is a small integer: exact too.
+    """
+
+    scale: np.ndarray
+    """Per channel ``m * 2**(L-R-31)``."""
+    constant: np.ndarray
+    """Per channel ``bias * scale + 2**-(1+R) [R > 0] + 1/2``."""
+    nudge: np.ndarray | None
+    """Per channel ``2**-R [R > 0]``, subtracted below 1/2; None when the clamp makes it irrelevant (every
+    value below 1/2 floors to at most 0, and the clamp's low end, ``act_min - zero_point``, is at least 0) or
+    no channel shifts right."""
+    low: float
+    high: float
+    """The clamp relative to the zero point: ``act_min - zero_point``, ``act_max - zero_point``."""
+    zero_point: int
+    limit: int
+    limits: np.ndarray | None = None
+    """Per channel, the largest ``|acc|`` that channel is exact for (``limit`` is their minimum; -1: none)."""
+    folded_limits: np.ndarray | None = None
+    """The same with ``zero_point + 128`` added to :attr:`constant` too, for an int8 output (:meth:`bind`'s
+    ``fold``): the values then stay non-negative, so truncation is the floor even without a clamp at 0."""
+
+    def apply(self, acc: np.ndarray, out: np.ndarray, work: np.ndarray | None = None) -> None:
+        """Requantize exact integer accumulators ``acc [..., C]`` (any numeric type) into ``out`` (a signed integer
+        array of the same shape, e.g. an SRAM view); the caller has checked ``max|acc| <= limit``. ``work``: a
+        float64 scratch of at least :meth:`work_size` elements to use instead of allocating one."""
+        self.bind(acc, out, work)()
+
+    @staticmethod
+    def work_size(channels: int) -> int:
+        """Float64 scratch elements :meth:`bind` needs for ``channels`` channels: two blocks."""
+        return 2 * max(REQUANTIZE_BLOCK, channels)
+
+    def bind(self, acc: np.ndarray, out: np.ndarray, work: np.ndarray | None = None,
+             tiles: dict | None = None, scaled: bool = False, fold: bool = False) -> Callable[[], None]:
+        """:meth:`apply` on whatever the arrays ``acc`` and ``out`` hold, as one call whose block views are made
+        here (a prepared command requantizes the same places on every run). With ``tiles`` (a dict the caller
+        keeps), the per-channel constants are tiled to a whole block once, shared by binds of equal constants:
+        numpy runs a same-shape operation as one loop, where broadcasting a row runs one loop per row.
+        ``scaled``: ``acc`` (float64, overwritten) already holds ``acc * scale + constant``, exactly (a product
+        that folded them in, :meth:`simulator.macs.SumPlan.bind_scaled`); the rest of the stage runs on it.
+        ``fold`` (an int8 ``out`` whose caller has checked ``max|acc|`` against :attr:`folded_limits`): the constant
+        also carries ``zero_point + 128`` (already in ``acc`` when ``scaled``), so that a clamp that lets negative
+        values through also ends in the truncating cast to unsigned, then ``+ 128`` modulo 256, instead of a floor
+        and a cast of signed values."""
+        relu = self.low >= 0
+        fold = fold and not relu and out.dtype == np.int8
+        offset = self.zero_point + 128 if fold else 0
+        if scaled:
+            return self._bind_scaled(acc, out, offset)
+        channels = acc.shape[-1] if acc.ndim else 1
+        rows, dst = acc.reshape(-1, channels), out.reshape(-1, channels)
+        # A clamp that keeps only values >= 0 (a fused ReLU) makes truncation the floor: the float64 value is cast
+        # to the unsigned type of the same width and the zero point added there, modulo 2**bits (the result lies in
+        # the output type, so its bits are right).
+        if relu or offset:
+            dst = dst.view(_UNSIGNED[dst.dtype.itemsize])
+        count = rows.shape[0]
+        step = max(1, REQUANTIZE_BLOCK // channels)
+        # In blocks that stay in cache, into buffers allocated once: fresh large temporaries cost more than the math.
+        size = min(step, count) * channels
+        if work is None:
+            work = np.empty(2 * size)
+        w_all, b_all = work[:size].reshape(-1, channels), work[size:2 * size].reshape(-1, channels)
+        m_all = np.empty((min(step, count), channels), bool) if self.nudge is not None else None
+        blocks = []
+        for start in range(0, count, step):
+            n = min(step, count - start)
+            blocks.append((rows[start:start + n], dst[start:start + n], w_all[:n],
+                           (b_all[:n], m_all[:n]) if self.nudge is not None else None))
+        zero = self._zero(dst, relu, offset)
+        constants = (self.scale, self.constant + offset if offset else self.constant, self.nudge)
+        if tiles is not None:
+            rows_per_block = min(step, count)
+            key = tuple(a.tobytes() if a is not None else None for a in constants)
+            rows, full = tiles.get(key, (0, None))
+            if rows < rows_per_block:  # one tile per set of constants, the largest any block needs
+                old = sum(a.nbytes for a in full if a is not None) if full is not None else 0
+                full = tuple(None if a is None else np.ascontiguousarray(
+                    np.broadcast_to(a, (rows_per_block, channels))) if tiled else a
+                    for a, tiled in zip(constants, (channels < TILE_SCALE_BELOW, *TILED[1:])))
+                tiles[key] = rows_per_block, full
+                tiles["nbytes"] = tiles.get("nbytes", 0) + sum(a.nbytes for a in full if a is not None) - old
+            constants = lambda n: tuple(None if a is None else a[:n] if a.ndim == 2 else a for a in full)
+        else:
+            constants = functools.partial(lambda c, n: c, constants)
+        block = self._unsigned_block if relu or offset else self._block
+        # np.clip's Python wrapper costs more than its loop on a small block; two ufuncs cost less there.
+        clamp = _clamp if size >= SMALL_BLOCK else _clamp_small
+        low, high, threshold = np.float64(self.low + offset), np.float64(self.high + offset), np.float64(0.5 + offset)
+        calls = [functools.partial(block, *b, zero, *constants(b[0].shape[0]), clamp, low, high, threshold)
+                 for b in blocks]
+        if len(calls) == 1:
+            return calls[0]
+        return lambda: [call() for call in calls] and None
+
+    def _zero(self, dst: np.ndarray, relu: bool, offset: int):
+        """What the last step adds: the zero point modulo 2**bits to an unsigned result (``relu``), 128 to a folded
+        one (``offset``: zero point and 128 are already in), the zero point to a floored one."""
+        if offset:
+            return dst.dtype.type(128)
+        return dst.dtype.type(self.zero_point % (1 << (8 * dst.itemsize))) if relu else self.zero_point
+
+    def _bind_scaled(self, values: np.ndarray, out: np.ndarray, offset: int) -> Callable[[], None]:
+        channels = values.shape[-1]
+        rows, dst = values.reshape(-1, channels), out.reshape(-1, channels)
+        relu = self.low >= 0
+        if relu or offset:
+            dst = dst.view(_UNSIGNED[dst.dtype.itemsize])
+        below = (np.empty(rows.shape), np.empty(rows.shape, bool)) if self.nudge is not None else None
+        clamp = _clamp if rows.size >= SMALL_BLOCK else _clamp_small
+        block = self._unsigned_block if relu or offset else self._block
+        return functools.partial(block, rows, dst, rows, below, self._zero(dst, relu, offset), None, None, self.nudge,
+                                 clamp, np.float64(self.low + offset), np.float64(self.high + offset),
+                                 np.float64(0.5 + offset))
+
+    @staticmethod
+    def _unsigned_block(rows, dst, w, below, zero, scale, constant, nudge, clamp, low, high, threshold) -> None:
+        """A clamp at or above 0: the truncating cast to unsigned is the floor; then ``zero`` modulo 2**bits."""
+        if scale is not None:
+            np.multiply(rows, scale, out=w)
+            np.add(w, constant, out=w)
+        if below is not None:
+            amount, mask = below
+            np.less(w, threshold, out=mask)
+            np.multiply(mask, nudge, out=amount)
+            np.subtract(w, amount, out=w)
+        clamp(w, low, high)
+        np.copyto(dst, w, casting="unsafe")
+        np.add(dst, zero, out=dst)
+
+    @staticmethod
+    def _block(rows, dst, w, below, zero, scale, constant, nudge, clamp, low, high, threshold) -> None:
+        if scale is not None:
+            np.multiply(rows, scale, out=w)
+            np.add(w, constant, out=w)
+        if below is not None:
+            amount, mask = below
+            np.less(w, threshold, out=mask)
+            np.multiply(mask, nudge, out=amount)
+            np.subtract(w, amount, out=w)
+        clamp(w, low, high)
+        np.floor(w, out=w)
+        np.add(w, zero, out=dst, casting="unsafe")
+
+
+SMALL_BLOCK = 1 << 13
+"""Blocks below this many elements clamp with two ufuncs instead of ``np.clip``."""
+
+
+def _clamp(w: np.ndarray, low, high) -> None:
+    w.clip(low, high, out=w)
+
+
+def _clamp_small(w: np.ndarray, low, high) -> None:
+    np.maximum(w, low, out=w)
+    np.minimum(w, high, out=w)
+
+
+_UNSIGNED = {1: np.dtype(np.uint8), 2: np.dtype(np.uint16), 4: np.dtype(np.uint32), 8: np.dtype(np.uint64)}
+"""The unsigned type of each width, for :meth:`Float64Requantizer.apply`'s truncating cast."""
+
+
+def float64_requantizer(multiplier, shift, output_zero_point: int, act_min: int, act_max: int,
+                        bias=None) -> Float64Requantizer:
+    """The :class:`Float64Requantizer` of per-channel (or scalar) multipliers and shifts, bias folded in.
+
+    Refuses invalid multipliers and shifts as :func:`multiply_by_quantized_multiplier` does. The exactness
+    bound is computed in int64 from the terms' sizes in units of ``g`` (module docstring of the class).
+    """
+    m = np.atleast_1d(np.asarray(multiplier, dtype=np.int64))
+    s = np.atleast_1d(np.asarray(shift, dtype=np.int64))
+    _check_multipliers(m, s)
+    m, s = np.broadcast_arrays(m, s)
+    b = np.zeros(m.shape, np.int64) if bias is None else np.asarray(bias, dtype=np.int64)
+    m, s, b = np.broadcast_arrays(m, s, b)
+    left, right = np.maximum(s, 0), np.maximum(-s, 0)
+    # In units of g = 2**(L-R-31): an accumulator's term |acc| * m, the bias's |bias| * m, the offsets
+    # 2**-(1+R) [R > 0] + 1/2 and the nudge 2**-R [R > 0] (exponents >= 0: L <= 30, and R > 0 means L = 0).
+    offset_units = (np.where(right > 0, np.int64(1) << np.maximum(30 - left, 0), 0)
+                    + (np.int64(1) << (30 + right - left)))
+    nudge_units = np.where(right > 0, np.int64(1) << np.maximum(31 - left, 0), 0)
+    big = np.abs(b).astype(np.float64) * m.astype(np.float64) >= 2.0 ** 62
+    bias_units = np.where(big, 0, np.abs(b) * np.where(big, 0, m))
+    room = FLOAT64_EXACT_UNITS - 1 - bias_units - offset_units - nudge_units
+    per_channel = np.where(m > 0, room // np.maximum(m, 1), np.iinfo(np.int64).max)
+    per_channel = np.minimum(per_channel, (INT32_MAX >> left) - np.abs(b))  # TFLite's int32 (acc << L) never wraps
+    per_channel = np.where(big | (room < 0), -1, per_channel)
+    limit = int(per_channel.min())
+    # zero_point + 128 (an int8 output's offset to unsigned) in units of g, where it fits in int64 at all.
+    fold_exponent = 31 + right - left
+    offset = abs(int(output_zero_point) + 128)
+    fits = fold_exponent + max(offset, 1).bit_length() < 62
+    fold_units = np.where(fits, np.int64(offset) << np.where(fits, fold_exponent, 0), 0)
+    folded_room = room - fold_units
+    folded = np.where(m > 0, folded_room // np.maximum(m, 1), np.iinfo(np.int64).max)
+    folded = np.minimum(folded, (INT32_MAX >> left) - np.abs(b))
+    folded = np.where(big | ~fits | (folded_room < 0), -1, folded)
+    scale = m * np.exp2((left - right - 31).astype(np.float64))
+    constant = b * scale + np.where(right > 0, np.exp2((-1 - right).astype(np.float64)), 0.0) + 0.5
+    nudge = np.where(right > 0, np.exp2(-right.astype(np.float64)), 0.0)
+    relevant = act_min - output_zero_point < 0 and np.any(right > 0)
+    return Float64Requantizer(scale, constant, nudge if relevant else None, float(act_min - output_zero_point),
+                              float(act_max - output_zero_point), int(output_zero_point), limit, per_channel, folded)
+
+
+def largest_magnitude(values: np.ndarray) -> int:
+    """``max |values|`` as a Python int (0 for an empty array)."""
+    if values.size == 0:
+        return 0
+    return max(abs(int(values.max())), abs(int(values.min())))
+
+
+@functools.lru_cache(maxsize=256)
+def _cached_requantizer(multiplier: bytes, shift: bytes, output_zero_point: int, act_min: int, act_max: int):
+    return float64_requantizer(np.frombuffer(multiplier, np.int64), np.frombuffer(shift, np.int64), output_zero_point,
+                               act_min, act_max)
 
 
 def _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act_min, act_max, out_dtype):
-    """``Rounding.TFLITE_DOUBLE`` requantization in eight float64 passes, exactly; None where it cannot be exact.
+    """``Rounding.TFLITE_DOUBLE`` requantization by a :class:`Float64Requantizer`; None where it cannot be exact.
 
-    With ``F = (x << L) * m`` (no int32 wrap: checked) the high multiply is ``h = floor(F / 2**31 + 1/2)``
-    (``(F + 2**30) >> 31``; for ``F < 0`` gemmlowp's nudge ``1 - 2**30`` and truncation give the same floor, and
-    the saturating case needs ``m = -2**31``, impossible). The rounding shift by ``R >= 1`` is
-    ``floor((h + 2**(R-1) - [h < 0]) / 2**R)``, and ``floor((floor(t) + c) / D) = floor((t + c) / D)`` for
-    integer ``c`` and ``D``, so the result is one floor: ``floor(F / 2**(31+R) + 2**-(1+R) + 1/2 - [F < -2**30] /
-    2**R)`` (for ``R = 0``: ``floor(F / 2**31 + 1/2)``). ``F / 2**(31+R)`` is ``x`` times the per-channel
-    ``m / 2**(31+R-L)``, an integer times a power of two; it and the sum with the offset are exact while
-    ``|F| < 2**52`` and ``R <= 21`` (all values then lie on a grid of ``2**-(31+R)`` within 53 bits).
-    """
+    A stream's commands requantize with the same numbers on every run: their plans are kept (a few hundred)."""
     x = np.asarray(acc)
-    m = np.asarray(multiplier, dtype=np.int64)
-    s = np.asarray(shift, dtype=np.int64)
-    _check_multipliers(m, s)
-    if x.size == 0:
+    m, s = np.asarray(multiplier, np.int64), np.asarray(shift, np.int64)
+    if m.ndim > 1 or s.ndim > 1:
         return None
-    left, right = np.maximum(s, 0), np.maximum(-s, 0)
-    largest = max(abs(int(x.max())), abs(int(x.min())))
-    shifted = largest << int(left.max())
-    if (shifted > INT32_MAX or shifted * int(m.max()) >= FLOAT64_REQUANTIZE_PRODUCTS
-            or int(right.max()) > FLOAT64_REQUANTIZE_MAX_RIGHT_SHIFT):
+    plan = _cached_requantizer(m.tobytes(), s.tobytes(), int(output_zero_point), int(act_min), int(act_max))
+    if x.size == 0 or plan.scale.ndim != 1 or largest_magnitude(x) > plan.limit:
         return None
-    scale = m * np.exp2((left - right - 31).astype(np.float64))
-    half = -np.exp2((-1 - right).astype(np.float64))
-    offset = -half + np.where(right > 0, 0.5, 0.0)
-    negative = np.where(right > 0, np.exp2(-right.astype(np.float64)), 0.0)
-    # In blocks that stay in cache, into buffers allocated once: fresh large temporaries cost more than the math.
-    channels = x.shape[-1] if x.ndim else 1
-    rows = x.reshape(-1, channels)
-    out = np.empty(rows.shape, out_dtype)
-    step = max(1, REQUANTIZE_BLOCK // channels)
-    u = np.empty((min(step, rows.shape[0]), channels))
-    below, w = np.empty(u.shape, bool), np.empty(u.shape)
-    for start in range(0, rows.shape[0], step):
-        block = rows[start:start + step]
-        v, mask, w = u[:block.shape[0]], below[:block.shape[0]], w[:block.shape[0]]
-        np.multiply(block, scale, out=v, casting="unsafe")
-        np.less(v, half, out=mask)
-        v += offset
-        np.multiply(mask, negative, out=w)
-        v -= w
-        np.floor(v, out=v)
-        v += int(output_zero_point)
-        np.clip(v, act_min, act_max, out=v)
-        out[start:start + step] = v
-    return out.reshape(x.shape)
+    out = np.empty(x.shape, out_dtype)
+    plan.apply(x, out)
+    return out
 
 
 INT64_SHIFT_RANGE = (-31, 7)
@@ -471,6 +679,43 @@ def _round_half_even_exact(acc: np.ndarray, scales: np.ndarray) -> np.ndarray:
     for index in zip(*np.nonzero(redo)):
         rounded[index] = round(Fraction(int(acc[index])) * Fraction(float(scales[index])))
     return rounded
+
+
+@dataclass(frozen=True)
+class Float64ScaleRequantizer:
+    """``Rounding.FLOAT64`` requantization of one set of channels (:func:`requantize_float`), checked once.
+
+    For accumulators with ``|acc| <= limit`` the double product ``acc * scale`` is below 2**31 in magnitude,
+    so its rounding, half away from zero, needs no int32 wrap and cannot overflow: ``trunc`` of the product,
+    plus one step away from zero where the (exactly computed) fractional part reaches 1/2.
+    """
+
+    scales: np.ndarray
+    zero_point: int
+    act_min: int
+    act_max: int
+    limit: int
+
+    def apply(self, acc: np.ndarray, out: np.ndarray) -> None:
+        """``acc [..., C]``: exact integer accumulators in a float type (bias added); ``out``: int8 of that shape."""
+        product = np.multiply(acc, self.scales, dtype=np.float64)
+        rounded = np.trunc(product)
+        fraction = product - rounded  # exact: the fractional part of a double
+        rounded += fraction >= 0.5
+        rounded -= fraction <= -0.5
+        rounded += self.zero_point
+        np.clip(rounded, self.act_min, self.act_max, out=rounded)
+        np.copyto(out, rounded, casting="unsafe")
+
+
+def float64_scale_requantizer(scales, output_zero_point: int, act_min: int, act_max: int) -> Float64ScaleRequantizer:
+    """The :class:`Float64ScaleRequantizer` of per-channel double scales (refused as :func:`requantize_float` does)."""
+    scales = np.atleast_1d(np.asarray(scales, dtype=np.float64))
+    if not np.all(np.isfinite(scales)) or np.any(scales < 0):
+        raise NumericsError("float requantization scales must be finite and non-negative")
+    largest = float(scales.max(initial=0.0))
+    limit = INT32_MAX if largest == 0 else int((2.0 ** 31 - 2) / largest / (1 + 2.0 ** -40))
+    return Float64ScaleRequantizer(scales, int(output_zero_point), int(act_min), int(act_max), limit)
 
 
 def requantize_float(acc, scales, output_zero_point, act_min, act_max, rounding=Rounding.FLOAT64,

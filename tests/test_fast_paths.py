@@ -18,8 +18,7 @@ from simulator import get_config, run_stream
 from simulator.batch import _transpose_runs, run_stream_batch
 from simulator.isa import Command, Convolution, DmaCopy, FeatureMap, MemorySpace, Opcode
 from simulator.macs import FLOAT32_EXACT, FLOAT64_EXACT, exact_sums, sum_bound, sum_dtype
-from simulator.numerics import (FLOAT64_REQUANTIZE_MAX_RIGHT_SHIFT, _requantize_double_in_float64, narrow_accumulator,
-                                requantize)
+from simulator.numerics import _requantize_double_in_float64, narrow_accumulator, requantize
 
 BASE = get_config("npu-256")
 
@@ -135,7 +134,7 @@ def test_requantize_equals_the_integer_reference_on_ties_and_extremes(shift, mul
     small = np.concatenate([ACCUMULATORS[np.abs(ACCUMULATORS) < 2 ** 20],
                             np.random.default_rng(shift & 0xff).integers(-2 ** 20 + 1, 2 ** 20, 500)])
     fast = _requantize_double_in_float64(small, multiplier, shift, 0, -128, 127, np.int8)
-    assert (fast is None) == (shift < -FLOAT64_REQUANTIZE_MAX_RIGHT_SHIFT)  # else the float64 path runs
+    assert (fast is None) == (shift < -22)  # else the float64 path runs: its limit covers 2**20 up to R = 22
     for acc in (small, ACCUMULATORS):  # all of them: too large for the float64 path, the integer one runs
         for zp, clamp in ((0, (-128, 127)), (-7, (-128, 127)), (100, (-20, 127))):
             got = requantize(acc, multiplier, shift, zp, *clamp)

@@ -31,15 +31,15 @@ _PRELUDE = """\
 #define NPU_EXPORT TVM_FFI_DLL_EXPORT
 #endif
 
-#define NPU_EXTRA_ARGS 3
+#define NPU_EXTRA_ARGS 4
 #define NPU_MAX_TENSORS {max_tensors}
 
-/* Forward one region call to the driver: (symbol, stream SHA-256, stream bytes, tensors...). */
+/* Forward one region call to the driver: (symbol, stream SHA-256, stream address, stream size, tensors...).
+   The stream goes by address: the driver copies its bytes only for a digest it has not prepared yet. */
 static int npu_call(const char* symbol, const char* digest, const char* stream, int64_t size,
                     const TVMFFIAny* args, int32_t num_args, TVMFFIAny* result) {{
   static TVMFFIObjectHandle driver = 0;
   TVMFFIAny packed[NPU_EXTRA_ARGS + NPU_MAX_TENSORS];
-  TVMFFIByteArray bytes;
   int32_t i;
   if (!driver) {{
     TVMFFIByteArray name = {{"{driver}", {driver_length}}};
@@ -54,8 +54,6 @@ static int npu_call(const char* symbol, const char* digest, const char* stream, 
     TVMFFIErrorSetRaisedFromCStr("ValueError", "too many tensors for an NPU region");
     return -1;
   }}
-  bytes.data = stream;
-  bytes.size = (size_t)size;
   for (i = 0; i < NPU_EXTRA_ARGS; ++i) {{
     packed[i].zero_padding = 0;
     packed[i].v_int64 = 0;
@@ -64,8 +62,10 @@ static int npu_call(const char* symbol, const char* digest, const char* stream, 
   packed[0].v_c_str = symbol;
   packed[1].type_index = kTVMFFIRawStr;
   packed[1].v_c_str = digest;
-  packed[2].type_index = kTVMFFIByteArrayPtr;
-  packed[2].v_ptr = &bytes;
+  packed[2].type_index = kTVMFFIOpaquePtr;
+  packed[2].v_ptr = (void*)stream;
+  packed[3].type_index = kTVMFFIInt;
+  packed[3].v_int64 = size;
   for (i = 0; i < num_args; ++i) packed[NPU_EXTRA_ARGS + i] = args[i];
   return TVMFFIFunctionCall(driver, packed, NPU_EXTRA_ARGS + num_args, result);
 }}
