@@ -5,13 +5,14 @@ Every quantizer gets the same 100 calibration images (tests/fixtures/digits/digi
     LiteRT's BUILTIN_REF kernels;
   - onnxruntime ``quantize_static`` (QDQ, per-channel, MinMax / Entropy / Percentile), run with graph
     optimizations off;
-  - ours, ``npu_backend.quantize`` with each method, from the float TFLite and the float ONNX model, run on the
-    simulated NPU (and checked equal, image by image, to its simulated quantization).
+  - ours, ``npu_backend.quantize`` with each method, with least-squares weight rounding, and without the
+    outputs' cross-validated headroom (the default before it), from the float TFLite and the float ONNX model, run
+    on the simulated NPU (and checked equal, image by image, to its simulated quantization).
 Columns: test top-1 (400 images), agreement with the float model's top-1, logits SQNR against the float model
 (dB), and the share of the quantized model's operators that ``partition_for_npu`` puts on the NPU.
 
-Then the seed's table for our models: top-1 and SQNR against the global scale, the weight bits and the
-accumulator bits (with the overflows counted on the test set).
+Then the seed's table for our models: top-1 and SQNR against the global scale, the weight bits (rounded to
+nearest and by least squares) and the accumulator bits (with the overflows counted on the test set).
 
 Needs the ``reference`` extra (ai-edge-litert, onnxruntime):  python bench/bench_quantization.py [--quick]
 """
@@ -30,6 +31,14 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = ROOT / "tests" / "fixtures" / "digits"
 MODELS = ("cnn", "mobilenet")
+OURS = [(method, {"calibration": method}) for method in ("minmax", "percentile", "kl", "mse")] + [
+    ("minmax, least_squares", {"weight_rounding": "least_squares"}),
+    ("percentile, least_squares", {"calibration": "percentile", "weight_rounding": "least_squares"}),
+    ("minmax, output_headroom=0", {"output_headroom": 0}),
+]
+"""Our rows: a name and the QConfig fields (every other one at its default: the outputs' headroom is
+cross-validated unless the row says otherwise)."""
+NAME_WIDTH = 52
 
 
 def sqnr_db(reference: np.ndarray, value: np.ndarray) -> float:
@@ -120,8 +129,8 @@ def row(name, source, logits, float_logits, labels, share, seconds=None):
     top1 = float(np.mean(np.argmax(logits, 1) == labels))
     agree = float(np.mean(np.argmax(logits, 1) == np.argmax(float_logits, 1)))
     timing = "" if seconds is None else f" {seconds:8.1f}"
-    print(f"{name:<34} {source:<7} {top1:7.2%} {agree:9.2%} {sqnr_db(float_logits, logits):9.2f} {share:>9}{timing}",
-          flush=True)
+    print(f"{name:<{NAME_WIDTH}} {source:<7} {top1:7.2%} {agree:9.2%} {sqnr_db(float_logits, logits):9.2f} "
+          f"{share:>9}{timing}", flush=True)
     return top1, sqnr_db(float_logits, logits)
 
 
@@ -143,7 +152,7 @@ def main() -> int:
         float_tfl = tflite_logits(tfl, test, ref=False)
         float_onnx = onnx_logits(onnx_path, test)
         print(f"\n== {model}: {len(test)} test images, 100 calibration images ==")
-        print(f"{'quantizer':<34} {'source':<7} {'top-1':>7} {'agreement':>9} {'SQNR dB':>9} {'on NPU':>9} "
+        print(f"{'quantizer':<{NAME_WIDTH}} {'source':<7} {'top-1':>7} {'agreement':>9} {'SQNR dB':>9} {'on NPU':>9} "
               f"{'quantize s':>8}")
         row("float", "tflite", float_tfl, float_tfl, labels, "-")
         ptq = DIGITS / f"{model}_tflite_ptq.tflite"
@@ -160,24 +169,26 @@ def main() -> int:
             mod = npu_backend.load_model(path)
             data = [nchw(x)[None] if layout == "nchw" else x[None] for x in calibration]
             rounding = "tflite" if source == "tflite" else "onnxruntime"
-            for method in ("minmax", "percentile", "kl", "mse"):
+            for name, options in OURS:
                 start = time.perf_counter()
-                calibrated = calibrate(mod, data, QConfig(calibration=method, rounding=rounding))
+                calibrated = calibrate(mod, data, QConfig(rounding=rounding, **options))
                 seconds = time.perf_counter() - start
                 logits, _ = run_npu(calibrated, test, layout)
                 simulated = np.stack([o[0][0] for o in calibrated.simulate(
                     [nchw(x)[None] if layout == "nchw" else x[None] for x in test])])
                 exact = int(np.sum(np.all(simulated == logits, axis=1)))
-                row(f"ours {method} (NPU = sim on {exact}/{len(test)})", source, logits, float_logits, labels,
+                row(f"ours {name} (NPU = sim {exact}/{len(test)})", source, logits, float_logits, labels,
                     npu_share(calibrated.module), seconds)
         if args.quick:
             continue
         print(f"\n-- {model} (from TFLite, ours, minmax): the seed's sweeps --")
-        print(f"{'setting':<34} {'source':<7} {'top-1':>7} {'agreement':>9} {'SQNR dB':>9} {'overflows':>9}")
+        print(f"{'setting':<{NAME_WIDTH}} {'source':<7} {'top-1':>7} {'agreement':>9} {'SQNR dB':>9} {'overflows':>9}")
         mod = npu_backend.load_model(tfl)
         data = [x[None] for x in calibration]
         sweeps = [(f"global scale {g}", QConfig(global_scale=float(g))) for g in (2, 4, 8, 16)]
         sweeps += [(f"weight bits {b}", QConfig(weight_bits=b)) for b in (8, 6, 4)]
+        sweeps += [(f"weight bits {b}, least_squares", QConfig(weight_bits=b, weight_rounding="least_squares"))
+                   for b in (8, 6, 4)]
         sweeps += [(f"accumulator {b} bits, {mode}", QConfig(accumulator_bits=b, accumulator_overflow=mode))
                    for b in (32, 16, 14) for mode in ("wrap", "saturate")]
         sweeps += [("accumulator 14 bits, avoid overflow", QConfig(accumulator_bits=14, avoid_overflow=True))]

@@ -10,11 +10,14 @@ calibration inputs:
   - ours: ``npu_backend.load_model`` (TVM's ONNX importer) then ``npu_backend.quantize`` with the default
     ``QConfig``, every layer calibrated on the simulated NPU's own integers.
 
-The two alternate ``--rounds`` times (ours first in odd rounds), so that a busy machine slows both alike; the
-best round of each is reported, with the ratio. Then ours once more with every phase timed (exclusive times:
-a phase called inside another is not counted twice) and the walk's time per layer kind.
+Both use every core: onnxruntime its intra-op thread pool, ours its calibration threads
+(:mod:`npu_backend.quantization.parallel`: the float model on a thread of its own, each layer's numpy work and
+simulator batch shared between the threads; ``--threads`` sets how many). The two alternate ``--rounds`` times
+(ours first in odd rounds), so that a busy machine slows both alike; the best round of each is reported, with the
+ratio. Then ours once more with every phase timed: exclusive CPU time per phase (a phase called inside another
+is not counted twice), on the main thread and on the others, and the walk's wall time per layer kind.
 
-    python bench/bench_quantize_speed.py [--samples 100] [--rounds 2] [--skip-ort] [--no-phases]
+    python bench/bench_quantize_speed.py [--samples 100] [--rounds 2] [--threads N] [--skip-ort] [--no-phases]
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import contextlib
 import functools
 import sys
 import tempfile
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -61,36 +65,72 @@ def ours(model: Path, inputs: np.ndarray, progress=None):
 
 
 class Phases:
-    """Exclusive wall time of wrapped functions, by phase name."""
+    """Exclusive CPU time of wrapped functions (the calling thread's, ``time.thread_time``), by phase name and by
+    thread kind: on a machine shared with other work, CPU time says what each phase costs, wall time does not.
+
+    Each thread keeps its own stack, so a phase called inside another on the same thread is not counted twice.
+    Calibration runs on several threads (the float reference pass, and the worker threads that share each layer's
+    numpy work); the main thread's column is its own CPU time, the others' runs beside it."""
 
     def __init__(self):
         self.seconds = defaultdict(float)
+        self.other = defaultdict(float)
         self.calls = defaultdict(int)
-        self._stack = []
+        self._local = threading.local()
         self._undo = []
+        self._main = threading.main_thread()
 
     def wrap(self, owner, attr: str, name: str) -> None:
-        original = owner[attr] if isinstance(owner, dict) else getattr(owner, attr)
+        if isinstance(owner, dict):
+            if attr not in owner:
+                return
+            original = owner[attr]
+        else:
+            if not hasattr(owner, attr):
+                return  # the code moved on: the phase is left out rather than the bench broken
+            original = getattr(owner, attr)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            start = time.perf_counter()
-            self._stack.append(0.0)
-            try:
-                return original(*args, **kwargs)
-            finally:
-                inner = self._stack.pop()
-                total = time.perf_counter() - start
-                self.seconds[name] += total - inner
-                self.calls[name] += 1
-                if self._stack:
-                    self._stack[-1] += total
+            return self._timed(name, original, args, kwargs, True)
 
+        self._replace(owner, attr, original, timed)
+
+    def wrap_shared(self, owner, attr: str) -> None:
+        """Charge the tasks a ``run_all`` shares out to the phase that shared them, whichever thread runs them."""
+        if not hasattr(owner, attr):
+            return
+        original = getattr(owner, attr)
+
+        @functools.wraps(original)
+        def shared(task, items):
+            stack = self._local.__dict__.setdefault("stack", [])
+            name = stack[-1][0] if stack else "walk: everything else"
+            return original(lambda item: self._timed(name, task, (item,), {}, False), items)
+
+        self._replace(owner, attr, original, shared)
+
+    def _timed(self, name, original, args, kwargs, count: bool):
+        stack = self._local.__dict__.setdefault("stack", [])
+        start = time.thread_time()
+        stack.append([name, 0.0])
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _, inner = stack.pop()
+            total = time.thread_time() - start
+            table = self.seconds if threading.current_thread() is self._main else self.other
+            table[name] += total - inner
+            self.calls[name] += count
+            if stack:
+                stack[-1][1] += total
+
+    def _replace(self, owner, attr, original, replacement) -> None:
         if isinstance(owner, dict):
-            owner[attr] = timed
+            owner[attr] = replacement
             self._undo.append(lambda: owner.__setitem__(attr, original))
         else:
-            setattr(owner, attr, timed)
+            setattr(owner, attr, replacement)
             self._undo.append(lambda: setattr(owner, attr, original))
 
     def restore(self) -> None:
@@ -102,11 +142,11 @@ def instrument() -> Phases:
     import tvm
 
     import npu_backend
-    import npu_backend.codegen.lower as lower
+    import npu_backend.codegen as codegen
     import npu_backend.partition as partition
     import npu_backend.quantization as quantization
     import simulator.batch as batch
-    from npu_backend.quantization import observers, steps
+    from npu_backend.quantization import batched_float, observers, parallel, steps
 
     calibrate = sys.modules["npu_backend.quantization.calibrate"]  # the package's calibrate() shadows it
     from simulator.isa import Opcode
@@ -114,12 +154,14 @@ def instrument() -> Phases:
     phases = Phases()
     phases.wrap(npu_backend.frontend.LOADERS, ".onnx", "import (TVM's ONNX importer)")
     phases.wrap(quantization, "cut_layers", "layer cut")
-    phases.wrap(steps.FloatLayers, "sums", "float conv/matmul sums (numpy BLAS)")
-    phases.wrap(steps.FloatLayers, "run_batch", "float bias, clamp, batching")
+    phases.wrap(batched_float.WeightedPlan, "_sums_into", "float conv/matmul sums (numpy BLAS)")
+    phases.wrap(batched_float, "finish_into", "float bias, clamp")
+    phases.wrap(steps.ElementwiseLayer, "run", "float elementwise layers (numpy)")
     phases.wrap(steps.FloatLayers, "run", "float layers on TVM, per sample")
+    phases.wrap(steps._ReferenceState, "take", "walk: waiting for the float reference")
     phases.wrap(tvm, "compile", "tvm.compile")
     phases.wrap(partition, "partition_for_npu", "NPU layer: partition_for_npu")
-    phases.wrap(lower, "lower_module", "NPU layer: lower to a stream")
+    phases.wrap(codegen, "lower_module", "NPU layer: lower to a stream")
     phases.wrap(steps.NpuLayer, "__init__", "NPU layer: emit QDQ")
     phases.wrap(steps, "run_stream_batch", "simulator: other (command loop, outputs)")
     phases.wrap(batch, "mac_output", "simulator: MAC commands (batched)")
@@ -130,15 +172,24 @@ def instrument() -> Phases:
     phases.wrap(batch, "validate_stream", "simulator: validate")
     phases.wrap(batch, "_BatchState", "simulator: load inputs, allocate memories")
     phases.wrap(batch, "_per_sample", "simulator: other commands (per sample)")
-    phases.wrap(observers.TensorStats, "update", "observers: TensorStats.update")
+    phases.wrap(observers.TensorStats, "update_each", "observers: merge per-sample statistics")
+    phases.wrap(observers, "_moments", "observers: extremes and moments")
+    phases.wrap(observers, "_sample_counts", "observers: histograms")
     phases.wrap(calibrate, "choose_range", "observers: choose_range")
-    phases.wrap(calibrate, "_bias_shift", "bias correction")
+    phases.wrap(batched_float.LayerSums, "channel_extremes", "accumulator peaks")
     phases.wrap(calibrate, "_accumulator_peaks", "accumulator peaks")
-    phases.wrap(calibrate, "quantize_host", "quantize/dequantize on the host")
-    phases.wrap(calibrate, "dequantize_host", "quantize/dequantize on the host")
+    phases.wrap(batched_float.Observation, "accumulator_sums", "bias correction")
+    phases.wrap(calibrate, "_bias_shift", "bias correction")
+    phases.wrap(calibrate, "_energies", "SQNR energies")
+    for module in (steps, calibrate):
+        phases.wrap(module, "quantize_host", "quantize/dequantize on the host")
+        phases.wrap(module, "dequantize_host", "quantize/dequantize on the host")
+    for module in (batched_float, observers, steps, calibrate):
+        phases.wrap_shared(module, "run_all")
     phases.wrap(quantization, "walk", "walk: everything else")
     phases.wrap(quantization, "emit_module", "emit the QDQ module")
     phases.wrap(quantization, "calibrate", "quantize: everything else")
+    phases.workers = parallel.WORKERS
     return phases
 
 
@@ -146,9 +197,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=100)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=None, help="calibration threads (default: every core)")
     parser.add_argument("--skip-ort", action="store_true", help="time ours only")
     parser.add_argument("--no-phases", action="store_true", help="no instrumented run")
     args = parser.parse_args()
+    from npu_backend.quantization import parallel
+
+    if args.threads:
+        parallel.WORKERS = args.threads
 
     tmp = Path(tempfile.mkdtemp())
     model = write_mobilenet_v2(tmp / "mobilenet_v2_1.0_224.onnx", seed=0)
@@ -200,7 +256,7 @@ def main() -> int:
         clock[0] = now
 
     phases = instrument()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     with contextlib.ExitStack() as stack:
         stack.callback(phases.restore)
         import npu_backend.quantization as quantization
@@ -215,9 +271,15 @@ def main() -> int:
         stack.callback(lambda: setattr(quantization, "walk", original_walk))
         ours(model, inputs, progress=progress)
     total = time.perf_counter() - start
-    print(f"\nours, instrumented run: {total:.2f} s; exclusive time per phase:")
-    for name, seconds in sorted(phases.seconds.items(), key=lambda kv: -kv[1]):
-        print(f"  {name:<44} {seconds:7.2f} s  {100 * seconds / total:5.1f}%  ({phases.calls[name]} calls)")
+    cpu = time.process_time() - cpu_start
+    print(f"\nours, instrumented run: {total:.2f} s wall, {cpu:.2f} s CPU, {phases.workers} worker thread(s); "
+          "exclusive CPU time per phase, on the main thread (share of all CPU time) and on the others (the float "
+          "reference pass and the pool threads):")
+    names = sorted(set(phases.seconds) | set(phases.other), key=lambda n: -(phases.seconds[n] + phases.other[n]))
+    for name in names:
+        seconds, other = phases.seconds[name], phases.other[name]
+        print(f"  {name:<44} {seconds:7.2f} s  {other:6.2f} s  {100 * (seconds + other) / cpu:5.1f}%  "
+              f"({phases.calls[name]} calls)")
     print("calibration walk per layer kind (float, observers, simulator, NPU build):")
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<12} {count[kind]:3d} layers {seconds:7.2f} s")

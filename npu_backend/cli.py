@@ -356,6 +356,14 @@ class _ProgressBar:
             self.bar.close()
 
 
+def _headroom(text: str) -> str | float:
+    """``--output-headroom``: a number, or the name of a choice; QConfig validates either."""
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
 def cmd_quantize(args) -> int:
     import npu_backend
     from npu_backend.quantization import QConfig, calibrate
@@ -372,8 +380,9 @@ def cmd_quantize(args) -> int:
                     global_scale=args.global_scale, preset=args.preset,
                     rounding=args.rounding or ("onnxruntime" if args.model.lower().endswith(".onnx") else "tflite"),
                     skip_layers=tuple(int(s) if s.isdigit() else s for s in args.skip or ()))
-    if args.percentile is not None:
-        settings["percentile"] = args.percentile
+    for option in ("percentile", "weight_rounding", "output_headroom"):
+        if getattr(args, option) is not None:
+            settings[option] = getattr(args, option)
     config = QConfig(**settings)
     progress = _ProgressBar()
     try:
@@ -427,6 +436,12 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--method", default="minmax", choices=["minmax", "percentile", "kl", "mse"])
     quant.add_argument("--percentile", type=float, help="percentile kept by --method percentile")
     quant.add_argument("--weight-bits", type=int, default=8)
+    quant.add_argument("--weight-rounding", choices=["nearest", "least_squares"],
+                       help="least_squares: each layer's integer weights chosen together to minimise its output "
+                            "error against float (default: nearest)")
+    quant.add_argument("--output-headroom", type=_headroom, metavar="H",
+                       help="quantize the model's outputs on (1 + H) times their range, H from 0 to 1, or "
+                            "'cross_validated' (the default: chosen from the calibration samples)")
     quant.add_argument("--per-tensor", action="store_true", help="one weight scale per tensor (default: per channel)")
     quant.add_argument("--symmetric", action="store_true", help="symmetric activations (zero point 0)")
     quant.add_argument("--power-of-two", action="store_true", help="power-of-two scales (shifts, no multipliers)")

@@ -78,9 +78,11 @@ def test_cli_quantize_then_run_partition_and_compile(tmp_path, capsys):
     np.savez(calib, images=CALIBRATION[:20])
     out = tmp_path / "cnn.npuq"
     assert npu(["quantize", str(DIGITS / "cnn_float.tflite"), "--calibration", str(calib), "--method", "mse",
-                "-o", str(out)]) == 0
+                "--weight-rounding", "least_squares", "--output-headroom", "0.25", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
     assert "conv2d_0" in printed and "output SQNR" in printed and str(out) in printed
+    assert [t.method for t in load_quantized(out).report.tensors if "headroom" in t.method] == [
+        "mse, headroom x1.25"]  # the model's output range, widened as asked
     assert npu(["run", str(out)]) == 0
     assert "MATCH" in capsys.readouterr().out
     assert npu(["partition", str(out)]) == 0
@@ -94,6 +96,7 @@ def test_cli_quantize_then_run_partition_and_compile(tmp_path, capsys):
     ("shape", "has shape"),
     ("quantized", "already quantizes"),
     ("suffix", "written as a .npuq file"),
+    ("headroom", "output_headroom: 3.0 is neither 'cross_validated' nor a number from 0 to 1"),
 ])
 def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, message):
     model = DIGITS / "cnn_float.tflite"
@@ -103,7 +106,9 @@ def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, messag
             "shape": [str(model), "--calibration", str(calib), "-o", str(tmp_path / "q.npuq")],
             "quantized": [str(DIGITS / "cnn_tflite_ptq.tflite"), "--calibration", str(calib),
                           "-o", str(tmp_path / "q.npuq")],
-            "suffix": [str(model), "--calibration", str(calib), "-o", str(tmp_path / "q.tflite")]}[case]
+            "suffix": [str(model), "--calibration", str(calib), "-o", str(tmp_path / "q.tflite")],
+            "headroom": [str(model), "--calibration", str(calib), "--output-headroom", "3", "-o",
+                         str(tmp_path / "q.npuq")]}[case]
     assert npu(["quantize", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("npu: error:") and message in err[0], err

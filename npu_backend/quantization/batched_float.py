@@ -8,6 +8,11 @@ then the bias add and the clamp the layer fuses, each in float32 as TVM computes
 float32 additions inside a sum differs. The sums are the simulator's own (:mod:`simulator.macs`), applied to
 float32 data. A layer outside what :func:`plan_weighted` recognises (other groupings, layouts or operators)
 stays with TVM.
+
+The batch is cut into chunks of a few samples (:data:`CHUNK_ELEMENTS`), computed on the worker threads
+(:mod:`.parallel`). A chunk's values do not depend on the other chunks, but a flattened matrix multiply's do
+depend on how many rows it has (OpenBLAS picks its kernels by shape), so the chunks are the same whatever the
+number of threads: the results are too, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,6 +27,19 @@ from simulator.macs import SUMS, centred_input
 
 from ..relax_exprs import is_call
 from .layers import Layer
+from .observers import Batches
+from . import parallel
+from .parallel import run_all
+
+CHUNK_ELEMENTS = 1 << 20
+"""Values per chunk when a batch is streamed through a consumer: buffers this small are reused by the allocator,
+where whole-batch temporaries (hundreds of MB) would be fresh pages, faulted in on every pass."""
+
+
+def chunks(count: int, sample_size: int) -> list[slice]:
+    """The samples of a batch, a few at a time: at most :data:`CHUNK_ELEMENTS` values a chunk (or one sample)."""
+    step = max(1, CHUNK_ELEMENTS // max(1, sample_size))
+    return [slice(start, min(count, start + step)) for start in range(0, count, step)]
 
 
 @dataclass(frozen=True)
@@ -35,38 +53,65 @@ class WeightedPlan:
     weight_order: tuple[int, ...]
     """Transpose of the layer's weight to the opcode's ``[OC, KH, KW, IC]`` (depthwise: then ``[..., 0]``)."""
 
-    def sums(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32.
+    def channel_axis(self, ndim: int) -> int:
+        """The output-channel axis of a batch ``[samples, *shape]`` of ``ndim`` axes (where the bias adds)."""
+        return 2 if self.channels_first and self.conv is not None else ndim - 1
 
-        Computed a few samples at a time into the one result array, so that no temporary is batch-sized."""
-        x = np.asarray(x, np.float32)
-        w = np.transpose(weight, self.weight_order) if self.conv is not None else np.asarray(weight, np.float32)
-        out = None
-        step = max(1, CHUNK_ELEMENTS // max(1, x[0].size))
-        for start in range(0, x.shape[0], step):
-            part = self._sums(x[start:start + step], w)
-            if out is None:
-                out = np.empty((x.shape[0], *part.shape[1:]), np.float32)
-            out[start:start + step] = part
+    def sums(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+        """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32."""
+        x, w = self._operands(x, weight)
+        out = np.empty(self._out_shape(x, w), np.float32)
+        run_all(lambda part: self._sums_into(x[part], w, out[part]), chunks(len(x), x[0].size))
         return out
 
-    def _sums(self, x: np.ndarray, w: np.ndarray) -> np.ndarray:
+    def finished(self, layer: Layer, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None):
+        """(accumulator, output) of the layer on ``x``: its sums, plus the bias in its own shape, then the clamp,
+        each chunk finished while its sums are in cache. The output is the accumulator itself when there is no
+        clamp."""
+        x, w = self._operands(x, weight)
+        acc = np.empty(self._out_shape(x, w), np.float32)
+        out = acc if layer.clamp is None else np.empty_like(acc)
+        b = _bias(layer, bias)
+
+        def chunk(part):
+            self._sums_into(x[part], w, acc[part])
+            finish_into(layer, acc[part], b, acc[part], out[part])
+
+        run_all(chunk, chunks(len(x), x[0].size))
+        return acc, out
+
+    def _operands(self, x, weight):
+        x = np.asarray(x, np.float32)
+        w = np.transpose(weight, self.weight_order) if self.conv is not None else np.asarray(weight, np.float32)
+        return x, w
+
+    def _out_shape(self, x: np.ndarray, w: np.ndarray) -> tuple[int, ...]:
+        if self.conv is None:
+            return (*x.shape[:-1], w.shape[-1])
+        ofm = self.conv.ofm
+        per_sample = (ofm.channels, ofm.height, ofm.width) if self.channels_first else (ofm.height, ofm.width,
+                                                                                          ofm.channels)
+        return (*x.shape[:2], *per_sample)
+
+    def _sums_into(self, x: np.ndarray, w: np.ndarray, dest: np.ndarray) -> None:
+        """One chunk's sums, written into ``dest`` (the chunk's rows of the batch's result)."""
         if self.opcode == Opcode.FULLY_CONNECTED:
-            return (x.reshape(-1, x.shape[-1]) @ w).reshape(*x.shape[:-1], -1)
+            np.matmul(x.reshape(-1, x.shape[-1]), w, out=dest.reshape(-1, w.shape[-1]))
+            return
         conv = self.conv
         if (self.channels_first and self.opcode == Opcode.CONV2D and conv.kernel == (1, 1)
                 and conv.stride == (1, 1) and conv.padding == (0, 0, 0, 0)):
             # Pointwise in NCHW: W [OC, IC] @ x [IC, H*W] per sample, no transposes.
             n = x.shape[0]
-            planes = x.reshape(n, conv.ifm.channels, -1)
-            out = np.matmul(w.reshape(conv.ofm.channels, conv.ifm.channels), planes)
-            return out.reshape(n, 1, conv.ofm.channels, conv.ofm.height, conv.ofm.width)
+            np.matmul(w.reshape(conv.ofm.channels, conv.ifm.channels), x.reshape(n, conv.ifm.channels, -1),
+                      out=dest.reshape(n, conv.ofm.channels, -1))
+            return
         if self.opcode == Opcode.DEPTHWISE_CONV2D:
             w = w[..., 0]
         nhwc = np.transpose(x, (0, 1, 3, 4, 2)) if self.channels_first else x
-        padded = centred_input(nhwc, 0, self.conv.padding, np.float32)
-        out = SUMS[self.opcode](padded, w, self.conv)
-        return np.ascontiguousarray(np.transpose(out, (0, 1, 4, 2, 3))) if self.channels_first else out
+        padded = centred_input(nhwc, 0, conv.padding, np.float32)
+        out = SUMS[self.opcode](padded, w, conv)
+        dest[...] = np.transpose(out, (0, 1, 4, 2, 3)) if self.channels_first else out
 
 
 def plan_weighted(layer: Layer) -> WeightedPlan | None:
@@ -110,58 +155,136 @@ def plan_weighted(layer: Layer) -> WeightedPlan | None:
     return WeightedPlan(opcode, conv, data == "NCHW", order)
 
 
-def finish(layer: Layer, sums: np.ndarray, bias: np.ndarray | None, reuse: bool = False):
-    """(accumulator, output) of a weighted layer from its sums: plus the bias in its own shape, then the clamp.
-    ``reuse``: the sums are not needed afterwards and become the accumulator."""
+def _bias(layer: Layer, bias) -> np.ndarray | None:
+    """The bias as float32 in its own shape (``[C]``, or ``[1, C, 1, 1]`` as ONNX's importer broadcasts it)."""
+    return None if bias is None else np.asarray(bias, np.float32).reshape(layer.bias_shape)
+
+
+def finish_into(layer: Layer, sums: np.ndarray, bias: np.ndarray | None, acc: np.ndarray, out: np.ndarray) -> None:
+    """``acc = sums + bias`` (float32), then ``out`` = the layer's clamp of ``acc`` (``out`` may be ``acc``)."""
     if bias is None:
-        acc = sums
-    elif reuse:
-        acc = sums
-        acc += np.asarray(bias, np.float32).reshape(layer.bias_shape)
+        if acc is not sums:
+            acc[...] = sums
     else:
-        acc = sums + np.asarray(bias, np.float32).reshape(layer.bias_shape)
+        np.add(sums, bias, out=acc)
     if layer.clamp is None:
-        return acc, acc
+        if out is not acc:
+            out[...] = acc
+        return
     lo, hi = layer.clamp
     if hi == float("inf"):
-        return acc, np.maximum(acc, np.float32(lo))
-    return acc, np.clip(acc, np.float32(lo), np.float32(hi))
+        np.maximum(acc, np.float32(lo), out=out)
+    else:
+        np.clip(acc, np.float32(lo), np.float32(hi), out=out)
 
 
 def one_blas_thread():
-    """A context in which numpy's BLAS uses one thread.
+    """A context in which numpy's BLAS uses one thread (calibration's parallelism is its own: :mod:`.parallel`).
 
     Calibration makes thousands of mid-sized matrix multiplies; OpenBLAS hands each to its worker threads and
     waits for them, which costs more than it gains at these sizes and, when the cores are shared, stalls each
     call for a scheduler time slice (the pointwise convolutions of a MobileNetV2 took 25 times longer with two
-    threads than with one on a loaded two-core machine).
+    threads than with one on a loaded two-core machine). Its threads also sum in another order than one thread
+    does, so its results would depend on the thread count.
     """
     return threadpool_limits(limits=1, user_api="blas")
 
 
-CHUNK_ELEMENTS = 1 << 20
-"""Values per chunk when a batch is streamed through a consumer: buffers this small are reused by the allocator,
-where whole-batch temporaries (hundreds of MB) would be fresh pages, faulted in on every pass."""
+class LayerSums:
+    """A weighted layer's sums on its quantized inputs for one weight, and per output channel their extremes:
+    what every bias tried with that weight is observed from (:meth:`observed`)."""
+
+    def __init__(self, plan: WeightedPlan, sums: np.ndarray):
+        self.plan, self.sums = plan, sums
+        self._extremes = None
+
+    def observed(self, layer: Layer, bias: np.ndarray | None) -> Observation:
+        return Observation(layer, self, bias)
+
+    def channel_extremes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) of the sums per output channel, float32 ``[C]`` (computed once, chunk by chunk)."""
+        if self._extremes is None:
+            axis = self.plan.channel_axis(self.sums.ndim)
+            others = tuple(a for a in range(self.sums.ndim) if a != axis)
+            parts = run_all(lambda part: (np.min(self.sums[part], axis=others), np.max(self.sums[part], axis=others)),
+                            chunks(len(self.sums), self.sums[0].size))
+            self._extremes = (np.minimum.reduce([p[0] for p in parts]), np.maximum.reduce([p[1] for p in parts]))
+        return self._extremes
 
 
-def finished_chunks(layer: Layer, sums: np.ndarray, bias: np.ndarray | None):
-    """:func:`finish` of ``sums`` a few samples at a time: yields (accumulator, output) chunks ``[k, *shape]``,
-    valid until the next one is produced."""
-    count = sums.shape[0]
-    step = max(1, CHUNK_ELEMENTS // max(1, sums[0].size))
-    acc = np.empty((min(step, count), *sums.shape[1:]), np.float32)
-    out = np.empty_like(acc) if layer.clamp is not None else acc
-    bias = None if bias is None else np.asarray(bias, np.float32).reshape(layer.bias_shape)
-    lo, hi = layer.clamp or (None, None)
-    for start in range(0, count, step):
-        part = sums[start:start + step]
-        a, o = acc[:len(part)], out[:len(part)]
-        if bias is None:
-            a[...] = part
-        else:
-            np.add(part, bias, out=a)
-        if hi == float("inf"):
-            np.maximum(a, np.float32(lo), out=o)
-        elif lo is not None:
-            np.clip(a, np.float32(lo), np.float32(hi), out=o)
-        yield a, o
+class Observation:
+    """A weighted layer over the calibration set, for one weight and bias: its accumulators (sums plus bias) and
+    outputs (clamped), read as calibration reads them; each read is a pass over the chunks on the workers.
+
+    The accumulators' per-channel extremes need no pass at all: float32 addition of one number is monotone
+    (``a <= b`` gives ``fl(a + c) <= fl(b + c)``), so the extreme accumulator of a channel is its extreme sum plus
+    its bias.
+    """
+
+    def __init__(self, layer: Layer, sums: LayerSums, bias: np.ndarray | None):
+        self.layer, self._sums, self._bias = layer, sums, _bias(layer, bias)
+        self.shape, self.ndim = sums.sums.shape, sums.sums.ndim
+        self._chunks = chunks(self.shape[0], sums.sums[0].size)
+
+    def _accumulators(self, part: slice) -> np.ndarray:
+        sums = self._sums.sums[part]
+        return sums if self._bias is None else sums + self._bias
+
+    def accumulator_sums(self, others: tuple[int, ...]) -> list[np.ndarray]:
+        """Per chunk, in order: the float64 sum of its accumulators over the axes ``others``."""
+        return run_all(lambda part: np.sum(self._accumulators(part), axis=others, dtype=np.float64), self._chunks)
+
+    def accumulator_extremes(self, others: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) of the accumulators over the axes ``others``, float64."""
+        axis = self._sums.plan.channel_axis(self.ndim)
+        if others == tuple(a for a in range(self.ndim) if a != axis):
+            low, high = self._sums.channel_extremes()
+            if self._bias is not None:
+                bias = self._bias.reshape(-1)
+                low, high = low + bias, high + bias
+            return low.astype(np.float64), high.astype(np.float64)
+        parts = run_all(lambda part: (np.min(self._accumulators(part), axis=others),
+                                      np.max(self._accumulators(part), axis=others)), self._chunks)
+        return (np.minimum.reduce([p[0] for p in parts]).astype(np.float64),
+                np.maximum.reduce([p[1] for p in parts]).astype(np.float64))
+
+    def outputs(self) -> Batches:
+        """The layer's outputs over the calibration set, samples in order (see :meth:`output_batches`)."""
+        return Batches(self.output_batches)
+
+    def output_batches(self):
+        """The layer's outputs, samples in order, as batches ``[k, *shape]`` (each valid until the next): a chunk
+        per worker at a time, so that the consumer has samples for every worker too."""
+        parts = self._chunks
+        per_batch = max(1, parallel.WORKERS)
+        samples = parts[0].stop - parts[0].start
+        buffer = np.empty((min(self.shape[0], per_batch * samples), *self.shape[1:]), np.float32)
+        for first in range(0, len(parts), per_batch):
+            group = parts[first:first + per_batch]
+            offset = group[0].start
+            batch = buffer[:group[-1].stop - offset]
+
+            def finish(part, offset=offset, batch=batch):
+                rows = batch[part.start - offset:part.stop - offset]
+                finish_into(self.layer, self._sums.sums[part], self._bias, rows, rows)
+
+            run_all(finish, group)
+            yield batch
+
+
+class HostObservation:
+    """:class:`Observation` of a layer TVM computes: its accumulators and outputs, one chunk of every sample."""
+
+    def __init__(self, accumulators: np.ndarray | None, outputs: np.ndarray):
+        self._acc, self._out = accumulators, outputs
+        if accumulators is not None:
+            self.shape, self.ndim = accumulators.shape, accumulators.ndim
+
+    def accumulator_sums(self, others: tuple[int, ...]) -> list[np.ndarray]:
+        return [np.sum(self._acc, axis=others, dtype=np.float64)]
+
+    def accumulator_extremes(self, others: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+        return (np.min(self._acc, axis=others).astype(np.float64), np.max(self._acc, axis=others).astype(np.float64))
+
+    def outputs(self) -> np.ndarray:
+        return self._out

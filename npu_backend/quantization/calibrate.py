@@ -26,8 +26,10 @@ from .config import QConfig
 from .layers import Layer, Output, function_outputs, resolve
 from .observers import RangeRequest, TensorStats, activation_qparams, choose_range, quantize_weights
 from .rewrite import TensorQ, WeightQ
-from .batched_float import finished_chunks
-from .steps import FloatLayers, NpuLayer, dequantize_host, quantize_host
+from .batched_float import HostObservation
+from . import headroom, reconstruct
+from .parallel import run_all
+from .steps import FloatLayers, NpuLayer, ReferencePass, dequantize_host, quantize_host
 
 FLOAT_MODEL_METHODS = frozenset({"kl"})
 """Range methods that observe a layer's output in the float model rather than on its quantized inputs. KL's
@@ -78,10 +80,16 @@ class _Energy:
         self.noise = 0.0
 
     def add(self, reference: np.ndarray, value: np.ndarray) -> None:
-        reference = reference.astype(np.float64).reshape(-1)
-        self.signal += float(np.dot(reference, reference))
-        reference -= value.reshape(-1)
-        self.noise += float(np.dot(reference, reference))
+        signal, noise = _energies(reference, value)
+        self.signal += signal
+        self.noise += noise
+
+    def add_samples(self, references: np.ndarray, value) -> None:
+        """:meth:`add` for every sample ``n``: ``references[n]`` against ``value(n)``; each sample's energies on
+        the worker threads, added in sample order (as the sequential adds are)."""
+        for signal, noise in run_all(lambda n: _energies(references[n], value(n)), range(len(references))):
+            self.signal += signal
+            self.noise += noise
 
     @property
     def db(self) -> float:
@@ -90,6 +98,13 @@ class _Energy:
         if self.signal == 0.0:
             return -math.inf
         return 10.0 * math.log10(self.signal / self.noise)
+
+
+def _energies(reference: np.ndarray, value: np.ndarray) -> tuple[float, float]:
+    reference = reference.astype(np.float64).reshape(-1)
+    signal = float(np.dot(reference, reference))
+    reference -= value.reshape(-1)
+    return signal, float(np.dot(reference, reference))
 
 
 class Context:
@@ -145,18 +160,35 @@ def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: P
     if layer is not None and layer.kind.output == Output.FIXED and ctx.source == "tflite":
         scale, zp = FIXED_OUTPUTS[layer.kind.fixed_op]
         return TensorQ(float(np.float32(scale)), int(zp))
+    widen = (layer is not None and config.output_headroom != 0 and config.global_scale is None
+             and layer.output in ctx.outputs)
+    if widen:  # a model output: its samples are kept to cross-validate its headroom (headroom.py)
+        values = np.stack([np.array(v) for v in values])  # copies: batches may reuse their buffers
     stats = TensorStats(bins=config.bins)
-    for v in values:
-        stats.update(v)
+    stats.update_samples(values)
     symmetric = config.symmetric_activations
     if config.global_scale is not None:  # relay.quantize's global scale: symmetric, one range for all
         lo, hi, method, symmetric = -float(config.global_scale), float(config.global_scale), "global_scale", True
     else:
         lo, hi = choose_range(stats, config.calibration, _request(config))
         method = _method_name(config)
+    if widen:
+        lo, hi, factor = headroom.widened_range(values, lo, hi, config.output_headroom,
+                                                lambda subset: _method_range(config, subset),
+                                                lambda a, b: TensorQ(*activation_qparams(
+                                                    a, b, bits=8, symmetric=symmetric,
+                                                    power_of_two=config.power_of_two)))
+        method = f"{method}, headroom x{factor:.2f}"
     scale, zp = activation_qparams(lo, hi, bits=8, symmetric=symmetric, power_of_two=config.power_of_two)
     records.append(TensorRecord(name, method, stats.summary(), float(scale), int(zp)))
     return TensorQ(float(scale), int(zp))
+
+
+def _method_range(config: QConfig, samples: np.ndarray) -> tuple[float, float]:
+    """The calibration method's range on some of a tensor's samples."""
+    stats = TensorStats(bins=config.bins)
+    stats.update_samples(samples)
+    return choose_range(stats, config.calibration, _request(config))
 
 
 def _along(scales: np.ndarray, ndim: int, axis: int | None) -> np.ndarray:
@@ -203,12 +235,8 @@ def _accumulator_peaks(layer: Layer, chunks, input_q: TensorQ, wq: WeightQ) -> n
     channels = layer.weight.shape[layer.weight_axis]
     per = np.broadcast_to((np.float32(input_q.scale) * wq.scales).astype(np.float64), (channels,))
     # |rint(v / per)| is largest at the smallest or the largest v (division by per > 0 and rint are monotone).
-    low, high = np.full(channels, np.inf), np.full(channels, -np.inf)
-    for accumulators, _ in chunks():
-        axis = _channel_axis(accumulators, channels)
-        others = tuple(a for a in range(accumulators.ndim) if a != axis)
-        low = np.minimum(low, np.min(accumulators, axis=others))
-        high = np.maximum(high, np.max(accumulators, axis=others))
+    axis = _channel_axis(chunks, channels)
+    low, high = chunks.accumulator_extremes(tuple(a for a in range(chunks.ndim) if a != axis))
     return np.maximum(np.abs(np.rint(low / per)), np.abs(np.rint(high / per)))
 
 
@@ -251,24 +279,29 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         else:
             hvals[param] = fvals[param]
 
+    dqvals: dict = {}  # each quantized tensor dequantized once, for its SQNR and all its consumers
+
     def value(var) -> np.ndarray:
         if var in qvals:
-            return dequantize_host(qvals[var], plan.tensors[var])
+            if var not in dqvals:
+                dqvals[var] = dequantize_host(qvals[var], plan.tensors[var])
+            return dqvals[var]
         return hvals[var]
 
+    # The float model's layers run ahead on a thread of their own: they depend on no quantization decision.
+    pending = ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs) if reference else None
     for layer in ctx.layers:
         stats = LayerStats()
         weight = layer.weight
         consts = [d for d in layer.constants.values()]
         references = float_accumulators = None
         if reference:
-            float_accumulators, references = ctx.float.run_batch(layer, [fvals[v] for v in layer.inputs], weight,
-                                                                 layer.bias, consts)
+            float_accumulators, references = pending.take(layer)
         fvals[layer.output] = references
         if ctx.quantized(layer, plan):
             _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, float_accumulators,
                            references)
-            model_value = (dequantize_host(q, plan.tensors[layer.output]) for q in qvals[layer.output])
+            model_value = value(layer.output).__getitem__ if references is not None else None
         else:
             inputs = [value(v) for v in layer.inputs]
             out = ctx.float.run_batch(layer, inputs, weight, layer.bias, consts)[1]
@@ -277,15 +310,15 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                 if calibrating:
                     plan.tensors[layer.output] = _choose(ctx, None, out, plan, layer.output.name, records)
                 qvals[layer.output] = quantize_host(out, plan.tensors[layer.output])
-            model_value = out
+            model_value = out.__getitem__
         energy = _Energy()
-        for ref, got in zip(references if references is not None else (), model_value):
-            energy.add(ref, got)
+        if references is not None:
+            energy.add_samples(references, model_value)
         stats.sqnr_db = energy.db
         layer_stats[layer.index] = stats
         for v in list(layer.inputs):
             if ctx.last_use.get(v) == layer.index and v not in ctx.outputs:
-                for table in (fvals, qvals, hvals):
+                for table in (fvals, qvals, hvals, dqvals):
                     table.pop(v, None)
         if progress is not None:
             progress(layer.index + 1, len(ctx.layers))
@@ -312,8 +345,8 @@ def _bias_shift(layer: Layer, float_accumulators: np.ndarray, chunks) -> np.ndar
     axis = _channel_axis(float_accumulators, channels)
     others = tuple(a for a in range(float_accumulators.ndim) if a != axis)
     total = np.sum(float_accumulators, axis=others, dtype=np.float64)
-    for accumulators, _ in chunks():
-        total -= np.sum(accumulators, axis=others, dtype=np.float64)
+    for part in chunks.accumulator_sums(others):  # chunk by chunk, in order
+        total -= part
     return total / (float_accumulators.size // channels)
 
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, calibrating: bool,
@@ -345,20 +378,24 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     wq = _weights(layer, config, input_q) if layer.weight is not None else None
     dq_inputs = [value(v) for v in layer.inputs]
     dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
+    problem = None  # least-squares weight rounding (reconstruct.py), applied to every choice of weight scales
+    if wq is not None and config.weight_rounding == "least_squares" and ctx.float.plans[layer.index] is not None:
+        problem = reconstruct.build(ctx.float.plans[layer.index], dq_inputs[0], float_accumulators, layer.weight,
+                                    layer.bias, config.bias_correction and layer.bias is not None)
+        wq = reconstruct.apply(problem, wq, config.weight_bits)
 
     memo: dict = {}
 
     def observe():
-        """The layer over the calibration set as a source of (accumulators, outputs) chunks, samples in order. A
-        numpy layer's sums are computed once per weight (a new bias alone reuses them) and finished chunk by
-        chunk whenever the chunks are read; a TVM layer gives one chunk."""
+        """The layer over the calibration set (:class:`.batched_float.Observation`): its accumulators and outputs.
+        A numpy layer's sums are computed once per weight (a new bias alone reuses them) and finished chunk by
+        chunk whenever they are read; a TVM layer is run once."""
         w, b = _dequantized(wq) if wq is not None else (None, None)
         if wq is not None and ctx.float.plans[layer.index] is not None:
             if memo.get("weight") is not wq.weight or memo.get("scales") is not wq.scales:
                 memo.update(weight=wq.weight, scales=wq.scales, sums=ctx.float.sums(layer, dq_inputs, w))
-            return lambda sums=memo["sums"]: finished_chunks(layer, sums, b)
-        pair = ctx.float.run_batch(layer, dq_inputs, w, b, dq_consts)
-        return lambda: iter([pair])
+            return memo["sums"].observed(layer, b)
+        return HostObservation(*ctx.float.run_batch(layer, dq_inputs, w, b, dq_consts))
 
     chunks = observe()
     if wq is not None:
@@ -382,6 +419,8 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
                 if config.power_of_two:
                     scales = (2.0 ** np.ceil(np.log2(scales))).astype(np.float32)
                 wq = _weights(layer, config, input_q, scales)
+                if problem is not None:
+                    wq = reconstruct.apply(problem, wq, config.weight_bits)
                 chunks = observe()
                 peaks = _accumulator_peaks(layer, chunks, input_q, wq)
             stats.widened_channels = int(widened.sum())
@@ -391,7 +430,7 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     if config.calibration in FLOAT_MODEL_METHODS:
         outputs = references
     else:
-        outputs = (sample for _, chunk in chunks() for sample in chunk)
+        outputs = chunks.outputs()
     plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
 
 

@@ -27,6 +27,10 @@ ROUNDINGS = {
 (``tflite``: fixed-point multipliers rounding half away from zero; ``onnxruntime``: float scales rounding half
 to even). Half-up is not a rounding any reference runtime uses, so the NPU has no such mode."""
 OVERFLOWS = ("wrap", "saturate")
+WEIGHT_ROUNDINGS = ("nearest", "least_squares")
+"""How a weight's integer is chosen on its channel's grid (``least_squares``: :mod:`.reconstruct`)."""
+CROSS_VALIDATED = "cross_validated"
+"""``QConfig.output_headroom`` chosen from the calibration samples (:mod:`.headroom`)."""
 
 
 def _check(condition: bool, field: str, why: str) -> None:
@@ -79,6 +83,17 @@ class QConfig:
         Empirical bias correction: each biased layer's bias absorbs the mean difference, per output channel,
         between the float model's accumulator and the quantized model's (weight rounding and upstream error)
         over the calibration set.
+    weight_rounding : str
+        ``"nearest"``: each weight rounded to its nearest step. ``"least_squares"``: each weighted layer's integers
+        chosen together to minimise the layer's output error against the float model on its quantized inputs
+        (ridge least squares, then GPTQ-style rounding; :mod:`npu_backend.quantization.reconstruct`): same
+        scales, zero point 0 and range, so the NPU still equals the simulation. Worth most at low weight bits.
+    output_headroom : str or float
+        How much wider than the calibration method's range the model's outputs are quantized (they feed
+        nothing after them: a wider range costs a little rounding, an unseen value past it costs its whole
+        excess). ``"cross_validated"``: the factor from 1 to 2 that quantizes each tenth of the calibration
+        samples best under the range chosen from the other nine tenths
+        (:mod:`npu_backend.quantization.headroom`); a number ``h`` from 0 to 1: the range times ``1 + h``.
     bins : int
         Histogram bins of the calibration statistics.
     preset : NpuConfig or str
@@ -100,6 +115,8 @@ class QConfig:
     float_ops: tuple = ()
     fallback_budget_db: float | None = None
     bias_correction: bool = True
+    weight_rounding: str = "nearest"
+    output_headroom: str | float = CROSS_VALIDATED
     bins: int = 2048
     preset: NpuConfig | str = DEFAULT_PRESET
 
@@ -131,6 +148,12 @@ class QConfig:
                                                    and math.isfinite(self.fallback_budget_db)
                                                    and self.fallback_budget_db >= 0),
                "fallback_budget_db", f"{self.fallback_budget_db!r} is not a non-negative number of dB")
+        _check(self.weight_rounding in WEIGHT_ROUNDINGS, "weight_rounding",
+               f"{self.weight_rounding!r} is not one of {', '.join(WEIGHT_ROUNDINGS)}")
+        _check(self.output_headroom == CROSS_VALIDATED if isinstance(self.output_headroom, str) else
+               isinstance(self.output_headroom, (int, float)) and not isinstance(self.output_headroom, bool)
+               and 0 <= self.output_headroom <= 1, "output_headroom",
+               f"{self.output_headroom!r} is neither {CROSS_VALIDATED!r} nor a number from 0 to 1")
         _check(_is_int(self.bins) and 16 <= self.bins <= 65536, "bins", f"{self.bins!r} is not from 16 to 65536")
         _check(isinstance(self.preset, (NpuConfig, str)), "preset", "must be an NpuConfig or a preset name/file")
 

@@ -13,12 +13,14 @@ ranges and weights into the int8 parameters TFLite-style kernels take.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from ..errors import NpuError
+from .parallel import run_all
 
 ZERO_RANGE_HI = 2.0 ** -8
 """Upper end of the range given to a tensor that was exactly 0 on every calibration value.
@@ -47,7 +49,114 @@ def _is_real(value) -> bool:
 
 
 UPDATE_BLOCK = 1 << 16
-"""Values :meth:`TensorStats.update` converts to float64 at a time (512 KiB, reused)."""
+"""Values a sample's deviations from its mean are converted to float64 and summed at a time (its squared
+deviations are the sum of the blocks' dot products: a constant of the statistics, like the bins)."""
+HISTOGRAM_BLOCK = 1 << 17
+"""Values a sample's bin indices are computed and counted at a time (integer counts: any block gives the same;
+larger blocks spend less on per-call overhead, smaller ones stay in cache)."""
+
+_buffers = threading.local()
+
+
+def _block_buffers() -> tuple[np.ndarray, np.ndarray]:
+    """This thread's float64 and index buffers of :data:`HISTOGRAM_BLOCK` values (reused)."""
+    if not hasattr(_buffers, "pair"):
+        _buffers.pair = (np.empty(max(UPDATE_BLOCK, HISTOGRAM_BLOCK)), np.empty(HISTOGRAM_BLOCK, np.intp))
+    return _buffers.pair
+
+
+def _real(values) -> np.ndarray:
+    values = np.asarray(values)
+    if values.dtype.kind not in "fiu":
+        raise NpuError(f"calibration values must be real numbers, not {values.dtype}")
+    return values
+
+
+@dataclass(frozen=True)
+class _Moments:
+    """One sample's share of the statistics, computed from its values alone."""
+
+    smallest: float
+    largest: float
+    count: int
+    mean: float
+    squares: float
+    """Sum of squared deviations from the sample's own mean (Chan's merge adds the rest)."""
+    zeros: int
+
+
+def _moments(values: np.ndarray) -> _Moments | None:
+    """The sample's extremes, mean, squared deviations and zeros; None if it holds NaN or infinity.
+
+    The values' own type serves the extremes and the zeros (exact in any type); the deviations from the mean
+    are formed in float64 a block at a time."""
+    smallest, largest = values.min(), values.max()
+    if not (np.isfinite(smallest) and np.isfinite(largest)):  # a NaN anywhere makes both NaN
+        return None
+    n = values.size
+    mean = float(np.sum(values, dtype=np.float64)) / n
+    x, _ = _block_buffers()
+    squares = 0.0
+    for start in range(0, n, UPDATE_BLOCK):
+        block = values[start:start + UPDATE_BLOCK]
+        v = x[:block.size]
+        np.subtract(block, mean, out=v, dtype=np.float64)
+        squares += float(np.dot(v, v))
+    return _Moments(float(smallest), float(largest), n, mean, squares, int(np.count_nonzero(values == 0)))
+
+
+def _sample_counts(values: np.ndarray, grid: float, bins: int, moments: _Moments) -> np.ndarray | None:
+    """The sample's histogram on the grid ``[-grid, grid]`` (None while the grid is empty: all values 0 so far).
+
+    Bin index ``floor(x * scale) + half`` with ``x * scale`` in float64, clipped to the bins: the floor lands in
+    an integer buffer directly. The product and the floor are monotone in ``x``, so the sample's extremes say
+    whether anything needs clipping at all."""
+    if grid == 0.0:
+        return None
+    half = bins // 2
+    scale = half / grid
+    lowest = math.floor(moments.smallest * scale) + half
+    highest = math.floor(moments.largest * scale) + half
+    clip = lowest < 0 or highest > bins - 1
+    x, index = _block_buffers()
+    counts = np.zeros(bins, np.int64)
+    for start in range(0, values.size, HISTOGRAM_BLOCK):
+        block = values[start:start + HISTOGRAM_BLOCK]
+        v, i = x[:block.size], index[:block.size]
+        np.multiply(block, scale, out=v, dtype=np.float64)
+        np.floor(v, out=i, casting="unsafe")  # an integer-valued float64: the conversion is exact
+        i += half
+        if clip:
+            np.clip(i, 0, bins - 1, out=i)
+        counts += np.bincount(i, minlength=bins)
+    return counts
+
+
+def _widened_range(current: float, absmax: float) -> tuple[float, int]:
+    """The histogram range after seeing ``absmax`` (``> current``), and how many old bins one new bin holds
+    (0 when there was no grid yet: the first nonzero value sets it)."""
+    if current == 0.0:
+        return absmax, 0
+    ratio = absmax / current
+    k = math.ceil(ratio) if math.isfinite(ratio) else 0
+    while k and k * current < absmax:
+        k += 1
+    new_range = k * current
+    if not k or not math.isfinite(new_range):
+        raise NpuError(f"calibration values up to {absmax:g} overflow the histogram's range")
+    return new_range, k
+
+
+class Batches:
+    """Samples that arrive a batch at a time: ``batches()`` gives arrays ``[k, ...]``, each valid until the next.
+    Iterating gives the samples one by one; :meth:`TensorStats.update_samples` takes each batch whole."""
+
+    def __init__(self, batches: Callable[[], Iterable[np.ndarray]]):
+        self.batches = batches
+
+    def __iter__(self):
+        for batch in self.batches():
+            yield from batch
 
 
 @dataclass(eq=False)
@@ -89,47 +198,66 @@ class TensorStats:
 
     def update(self, values) -> None:
         """Add a batch of values (any shape). NaN or infinity raises :class:`NpuError`; nothing is skipped."""
-        # The values' own type serves the extremes and the zeros (exact in any type); a float64 block buffer
-        # serves the deviations from the mean, then the bin indices.
-        values = np.asarray(values)
-        if values.dtype.kind not in "fiu":
-            raise NpuError(f"calibration values must be real numbers, not {values.dtype}")
-        values = values.reshape(-1)
-        if values.size == 0:
+        values = _real(values)
+        self.update_each(values.reshape(1, -1))
+
+    def update_samples(self, samples) -> None:
+        """:meth:`update` with each sample, in order: ``samples`` is an array ``[N, ...]``, :class:`Batches`, or
+        any iterable of arrays (updated one by one)."""
+        if isinstance(samples, np.ndarray):
+            self.update_each(samples)
+        elif isinstance(samples, Batches):
+            for batch in samples.batches():
+                self.update_each(batch)
+        else:
+            for sample in samples:
+                self.update(sample)
+
+    def update_each(self, samples) -> None:
+        """:meth:`update` with each sample of ``samples`` (an array ``[N, ...]``), one after the other.
+
+        The result is that of N calls, bit for bit; the passes over each sample's values (its extremes and
+        moments, then its histogram on the grid it meets) run on the worker threads (:mod:`.parallel`), and only
+        the per-sample scalars and the histogram merges are sequential. A sample holding NaN or infinity raises
+        :class:`NpuError` after the samples before it were added.
+        """
+        rows = _real(samples)
+        if rows.size == 0:
             return
-        smallest, largest = values.min(), values.max()
-        if not (np.isfinite(smallest) and np.isfinite(largest)):  # a NaN anywhere makes both NaN
-            raise NpuError("calibration values holds NaN or infinite values")
-        low, high = min(self.min, float(smallest)), max(self.max, float(largest))
-        if max(-low, high) > self._range:
-            self._widen(max(-low, high))  # first, so that a failure leaves the statistics as they were
-        n = values.size
-        mean = float(np.sum(values, dtype=np.float64)) / n
-        blocks = [values[start:start + UPDATE_BLOCK] for start in range(0, n, UPDATE_BLOCK)]
-        x = np.empty(min(n, UPDATE_BLOCK))  # one cache-sized float64 buffer for every pass below
-        squares = 0.0
-        for block in blocks:
-            v = x[:block.size]
-            np.subtract(block, mean, out=v, dtype=np.float64)
-            squares += float(np.dot(v, v))
-        total = self.count + n
-        delta = mean - self._mean
-        self._mean += delta * n / total
-        self._m2 += squares + delta * delta * self.count * n / total
-        self.count, self.min, self.max = total, low, high
-        self.zeros += int(np.count_nonzero(values == 0))
-        half = self.bins // 2
-        if self._range == 0.0:  # all zeros so far: they belong to the bin [0, w) of whatever grid comes
-            self._counts[half] += n
-            return
-        scale = half / self._range
-        for block in blocks:  # bin index floor(x * scale) + half, clipped: as on a float64 copy of the values
-            v = x[:block.size]
-            np.multiply(block, scale, out=v, dtype=np.float64)
-            np.floor(v, out=v)
-            v += half
-            np.clip(v, 0, self.bins - 1, out=v)
-            self._counts += np.bincount(v.astype(np.intp), minlength=self.bins)
+        rows = rows.reshape(len(rows), -1) if rows.ndim else rows.reshape(1, 1)
+        moments = run_all(_moments, rows)
+        # The grid each sample is binned on depends on the samples before it: found from the extremes alone.
+        grids, failure = [], None
+        low, high, current = self.min, self.max, self._range
+        for m in moments:
+            if m is None:
+                failure = NpuError("calibration values holds NaN or infinite values")
+                break
+            low, high = min(low, m.smallest), max(high, m.largest)
+            if max(-low, high) > current:
+                try:
+                    current = _widened_range(current, max(-low, high))[0]
+                except NpuError as error:  # before anything of this sample is added, as one update would
+                    failure = error
+                    break
+            grids.append(current)
+        counts = run_all(lambda k: _sample_counts(rows[k], grids[k], self.bins, moments[k]), range(len(grids)))
+        for m, grid, sample_counts in zip(moments, grids, counts):
+            low, high = min(self.min, m.smallest), max(self.max, m.largest)
+            if max(-low, high) > self._range:
+                self._widen(max(-low, high))
+            total = self.count + m.count
+            delta = m.mean - self._mean
+            self._mean += delta * m.count / total
+            self._m2 += m.squares + delta * delta * self.count * m.count / total
+            self.count, self.min, self.max = total, low, high
+            self.zeros += m.zeros
+            if sample_counts is None:  # all zeros so far: they belong to the bin [0, w) of whatever grid comes
+                self._counts[self.bins // 2] += m.count
+            else:
+                self._counts += sample_counts
+        if failure is not None:
+            raise failure
 
     def _widen(self, absmax: float) -> None:
         """Grow the histogram's range to ``k * R`` (``k`` the smallest integer covering ``absmax``).
@@ -141,21 +269,15 @@ class TensorStats:
         within a rounding error of an edge). The price is resolution: the final ``R`` lies in
         ``[max|x|, 2 * max|x|)``, so at least half the bins cover the data.
         """
-        if self._range == 0.0:
-            self._range = absmax
-            return
-        k = math.ceil(absmax / self._range)
-        while k * self._range < absmax:
-            k += 1
-        new_range = k * self._range
-        if not math.isfinite(new_range):
-            raise NpuError(f"calibration values up to {absmax:g} overflow the histogram's range")
-        half = self.bins // 2
-        offsets = np.arange(self.bins, dtype=np.int64) - half
-        target = half + np.floor_divide(offsets, min(k, half))  # k >= half maps alike: all to the two middle bins
-        merged = np.zeros(self.bins, np.int64)
-        np.add.at(merged, target, self._counts)
-        self._counts, self._range = merged, new_range
+        new_range, k = _widened_range(self._range, absmax)
+        if k:
+            half = self.bins // 2
+            offsets = np.arange(self.bins, dtype=np.int64) - half
+            target = half + np.floor_divide(offsets, min(k, half))  # k >= half maps alike: all to the middle two
+            merged = np.zeros(self.bins, np.int64)
+            np.add.at(merged, target, self._counts)
+            self._counts = merged
+        self._range = new_range
 
     @property
     def mean(self) -> float:
@@ -556,6 +678,6 @@ def quantize_weights(w, *, axis: int | None, bits: int = 8) -> tuple[np.ndarray,
     return q, scales
 
 
-__all__ = ["TensorStats", "RangeRequest", "METHODS", "RangeMethod", "ZERO_RANGE_HI", "KL_SMOOTHING", "resolve_method",
-           "choose_range", "activation_qparams", "quantize_weights", "minmax_range", "percentile_range",
-           "kl_range", "mse_range"]
+__all__ = ["TensorStats", "Batches", "RangeRequest", "METHODS", "RangeMethod", "ZERO_RANGE_HI", "KL_SMOOTHING",
+           "resolve_method", "choose_range", "activation_qparams", "quantize_weights", "minmax_range",
+           "percentile_range", "kl_range", "mse_range"]

@@ -4,7 +4,10 @@
 function, once, with weights as arguments: the same compiled code gives the
 float model's activations (float weights and inputs) and the values a layer
 sees once its inputs and weights are quantized (dequantized ones), which is what
-each layer's output range is chosen from.
+each layer's output range is chosen from. Convolutions, matmuls and unclamped
+binary elementwise layers are computed with numpy instead, for the whole batch.
+:class:`ReferencePass` runs the float model's layers on a thread of their own,
+ahead of the calibration walk.
 
 :class:`NpuLayer` is one layer in the canonical QDQ form, partitioned for the
 NPU and lowered to its command stream, run by the simulator on the int8 inputs
@@ -15,23 +18,33 @@ model of them. A layer the NPU does not take runs as TVM runs it on the host.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import tvm
 from tvm import relax
+from tvm.ir.expr import Constant
 
 from simulator.config import NpuConfig
 from simulator.batch import run_stream_batch
 from simulator.machine import run_stream
 
 from ..reference import SOURCE_ATTR
-from .batched_float import finish, plan_weighted
-from .layers import Layer
+from ..relax_exprs import is_call
+from . import parallel
+from .batched_float import CHUNK_ELEMENTS, LayerSums, chunks, plan_weighted
+from .layers import Layer, resolve
+from .parallel import run_all
 from .rewrite import (Operands, TensorQ, WeightQ, const, dequantize, dequantized_bias, dequantized_weight, emit_layer,
                       quantize)
 
 
 NPU_BATCH = 128
 """Calibration samples one simulator call runs (memory grows with it: N copies of SRAM and of the layer's tensors)."""
+NPU_SPLIT_ELEMENTS = 1 << 20
+"""Input values (over the whole batch) from which a layer's batch is split between the worker threads, one
+simulator call each: every call validates and decodes the stream again (milliseconds of Python, which holds the
+GIL), which only layers this large repay."""
 
 
 def _tensor_var(name: str, shape, dtype: str) -> relax.Var:
@@ -52,19 +65,25 @@ class FloatLayers:
 
     A weighted layer returns ``(accumulator, output)``: the sum before its clamp is what the NPU's
     accumulator holds, so its peak is read from it. Convolution and matmul layers are computed for all samples
-    at once with numpy's BLAS (:mod:`.batched_float`); the others are compiled by TVM (those only) and run
-    sample by sample.
+    at once with numpy's BLAS (:mod:`.batched_float`), unclamped add/subtract/multiply layers with numpy's
+    ufuncs (:class:`ElementwiseLayer`); the others are compiled by TVM (those only) and run sample by sample.
     """
 
     def __init__(self, layers: list[Layer], folded: dict):
         self.plans = {layer.index: plan_weighted(layer) for layer in layers}
+        self.elementwise = {layer.index: _elementwise_operands(layer, folded) for layer in layers}
         self._layers, self._folded, self._vm = layers, folded, None
+        self._vm_lock = threading.Lock()  # the reference pass and the walk share one VM, which is not reentrant
 
     @property
     def vm(self) -> relax.VirtualMachine:
-        if self._vm is None:
-            self._vm = self._compile([layer for layer in self._layers if self.plans[layer.index] is None], self._folded)
-        return self._vm
+        with self._vm_lock:
+            if self._vm is None:
+                self._vm = self._compile([layer for layer in self._layers if self._on_tvm(layer)], self._folded)
+            return self._vm
+
+    def _on_tvm(self, layer: Layer) -> bool:
+        return self.plans[layer.index] is None and self.elementwise[layer.index] is None
 
     @staticmethod
     def _compile(layers: list[Layer], folded: dict) -> relax.VirtualMachine:
@@ -97,20 +116,19 @@ class FloatLayers:
             return None
         return relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
 
-    def sums(self, layer: Layer, inputs: list[np.ndarray], weight: np.ndarray):
+    def sums(self, layer: Layer, inputs: list[np.ndarray], weight: np.ndarray) -> LayerSums | None:
         """A weighted layer's anchor (before bias and clamp) on a batch ``[N, *shape]``; None if TVM runs it."""
         plan = self.plans[layer.index]
-        return None if plan is None else plan.sums(inputs[0], weight)
+        return None if plan is None else LayerSums(plan, plan.sums(inputs[0], weight))
 
-    def run_batch(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=(), sums=None):
-        """(accumulator or None, output) of the layer for a batch of samples (each input ``[N, *shape]``).
-
-        ``sums``: the layer's :meth:`sums` for these inputs and weight, when the caller has them already.
-        """
-        if self.plans[layer.index] is not None:
-            if sums is None:
-                return finish(layer, self.sums(layer, inputs, weight), bias, reuse=True)
-            return finish(layer, sums, bias)
+    def run_batch(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=()):
+        """(accumulator or None, output) of the layer for a batch of samples (each input ``[N, *shape]``)."""
+        plan = self.plans[layer.index]
+        if plan is not None:
+            return plan.finished(layer, inputs[0], weight, bias)
+        operands = self.elementwise[layer.index]
+        if operands is not None:
+            return None, operands.run(inputs, constants)
         results = [self.run(layer, [x[n] for x in inputs], weight, bias, constants) for n in range(len(inputs[0]))]
         outputs = np.stack([r[1] for r in results])
         return (None if layer.weight is None else np.stack([r[0] for r in results])), outputs
@@ -123,32 +141,165 @@ class FloatLayers:
             if layer.bias is not None:
                 args.append(tvm.runtime.tensor(np.ascontiguousarray(bias, dtype=np.float32).reshape(layer.bias_shape)))
         args += [tvm.runtime.tensor(np.ascontiguousarray(c, dtype=np.float32)) for c in constants]
-        result = self.vm[f"layer_{layer.index}"](*args)
+        vm = self.vm
+        with self._vm_lock:
+            result = vm[f"layer_{layer.index}"](*args)
         if layer.weight is not None:
             return result[0].numpy(), result[1].numpy()
         return None, result.numpy()
+
+
+_ELEMENTWISE = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply}
+"""Binary operators a layer of their own computes with numpy: one IEEE float32 operation per element, the same
+in any implementation (TVM's kernel included), so any split of the batch gives TVM's values."""
+
+
+class ElementwiseLayer:
+    """An unclamped add, subtract or multiply of activations (and float constants), for the whole batch."""
+
+    def __init__(self, ufunc: np.ufunc, operands: list[tuple[str, int, int]], rank: int):
+        self.ufunc, self.operands, self.rank = ufunc, operands, rank
+
+    def run(self, inputs: list[np.ndarray], constants) -> np.ndarray:
+        args, batched = [], []
+        for role, k, rank in self.operands:
+            if role == "input":
+                x = np.asarray(inputs[k], np.float32)
+                args.append(x.reshape(x.shape[0], *(1,) * (self.rank - rank), *x.shape[1:]))
+                batched.append(True)
+            else:
+                args.append(np.asarray(constants[k], np.float32))
+                batched.append(False)
+        out = np.empty(np.broadcast_shapes(*(a.shape for a in args)), np.float32)
+
+        def chunk(part: slice) -> None:
+            self.ufunc(*(a[part] if b else a for a, b in zip(args, batched)), out=out[part])
+
+        run_all(chunk, chunks(len(out), out[0].size))
+        return out
+
+
+def _elementwise_operands(layer: Layer, folded: dict) -> ElementwiseLayer | None:
+    """The numpy form of a one-binding add/subtract/multiply layer without a clamp; None for any other layer."""
+    if layer.weight is not None or layer.clamp is not None or len(layer.bindings) != 1:
+        return None
+    value = layer.bindings[0].value
+    ufunc = next((f for name, f in _ELEMENTWISE.items() if is_call(value, name)), None)
+    if ufunc is None or len(value.args) != 2:
+        return None
+    constants = list(layer.constants)
+    operands = []
+    for arg in value.args:
+        if isinstance(arg, relax.Var):
+            var = resolve(arg, folded)
+            if var not in layer.inputs:
+                return None  # a folded constant: TVM's path handles it
+            operands.append(("input", layer.inputs.index(var), len(var.ty.shape.values)))
+        elif isinstance(arg, Constant) and arg in layer.constants:
+            operands.append(("constant", constants.index(arg), arg.value.numpy().ndim))
+        else:
+            return None
+    return ElementwiseLayer(ufunc, operands, len(layer.bindings[0].var.ty.shape.values))
+
+
+class ReferencePass:
+    """The float model's layers, computed in order on a thread of their own, at most :data:`LOOKAHEAD` layers
+    ahead of the calibration walk that takes them (:meth:`take`): the float model does not depend on any
+    quantization decision, so its matrix multiplies run while the walk builds and simulates NPU layers.
+
+    Each layer's inputs are released after their last use, as the walk releases its own.
+    """
+
+    LOOKAHEAD = 1
+
+    def __init__(self, floats: FloatLayers, layers: list[Layer], values: dict, last_use: dict, keep):
+        floats.vm  # compiled here: TVM's BlockBuilder keeps one stack for all threads, the walk's NPU layers use it
+        self._state = _ReferenceState(floats, layers, dict(values), last_use, set(keep))
+        parallel.spawn(self._state.run, "npu-quantize-reference")
+
+    def take(self, layer: Layer):
+        """(accumulator or None, output) of ``layer`` over the batch; layers are taken in order."""
+        return self._state.take(layer.index)
+
+    def __del__(self):
+        self._state.close()
+
+
+class _ReferenceState:
+    def __init__(self, floats, layers, values, last_use, keep):
+        self.floats, self.layers, self.values, self.last_use, self.keep = floats, layers, values, last_use, keep
+        self.results: dict = {}
+        self.taken = -1
+        self.error = None
+        self.closed = False
+        self.ready = threading.Condition()
+
+    def run(self) -> None:
+        try:
+            for layer in self.layers:
+                with self.ready:
+                    self.ready.wait_for(lambda: self.closed or layer.index <= self.taken + ReferencePass.LOOKAHEAD)
+                    if self.closed:
+                        return
+                result = self.floats.run_batch(layer, [self.values[v] for v in layer.inputs], layer.weight,
+                                               layer.bias, list(layer.constants.values()))
+                self.values[layer.output] = result[1]
+                for v in layer.inputs:
+                    if self.last_use.get(v) == layer.index and v not in self.keep:
+                        self.values.pop(v, None)
+                with self.ready:
+                    self.results[layer.index] = result
+                    self.ready.notify_all()
+        except BaseException as error:  # handed to the walk, which raises it
+            with self.ready:
+                self.error = error
+                self.ready.notify_all()
+
+    def take(self, index: int):
+        with self.ready:
+            self.ready.wait_for(lambda: index in self.results or self.error is not None)
+            if index not in self.results:
+                raise self.error
+            self.taken = index
+            self.ready.notify_all()
+            return self.results.pop(index)
+
+    def close(self) -> None:
+        with self.ready:
+            self.closed = True
+            self.ready.notify_all()
 
 
 HOST_BLOCK = 1 << 16
 """Values the host quantize/dequantize convert at a time (in cache, through one reused buffer)."""
 
 
-def _blocks(size: int):
-    return (slice(start, start + HOST_BLOCK) for start in range(0, size, HOST_BLOCK))
+def _spans(size: int) -> list[slice]:
+    """A flat array's values as whole :data:`HOST_BLOCK` runs, at least :data:`CHUNK_ELEMENTS` each (one task per
+    worker thread, each converting its span block by block)."""
+    step = max(CHUNK_ELEMENTS, -(-size // (parallel.WORKERS * HOST_BLOCK)) * HOST_BLOCK)
+    return [slice(start, min(size, start + step)) for start in range(0, size, step)]
 
 
 def quantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
-    """TVM's host ``quantize``: ``clip(round_half_even(x / scale) + zp)`` in float32."""
+    """TVM's host ``quantize``: ``clip(round_half_even(x / scale) + zp)`` in float32 (elementwise: any split
+    of the values gives the same)."""
     x = np.asarray(x)
     flat, out = x.reshape(-1), np.empty(x.shape, np.int8)
-    buffer = np.empty(min(flat.size, HOST_BLOCK), np.float32)
-    for part in _blocks(flat.size):
-        scaled = buffer[:len(flat[part])]
-        np.divide(flat[part], np.float32(q.scale), out=scaled, dtype=np.float32)
-        np.rint(scaled, out=scaled)
-        scaled += np.float32(q.zero_point)
-        np.clip(scaled, -128, 127, out=scaled)
-        out.reshape(-1)[part] = scaled
+    values = out.reshape(-1)
+
+    def span(part: slice) -> None:
+        buffer = np.empty(min(part.stop - part.start, HOST_BLOCK), np.float32)
+        for start in range(part.start, part.stop, HOST_BLOCK):
+            block = slice(start, min(part.stop, start + HOST_BLOCK))
+            scaled = buffer[:block.stop - block.start]
+            np.divide(flat[block], np.float32(q.scale), out=scaled, dtype=np.float32)
+            np.rint(scaled, out=scaled)
+            scaled += np.float32(q.zero_point)
+            np.clip(scaled, -128, 127, out=scaled)
+            values[block] = scaled
+
+    run_all(span, _spans(flat.size))
     return out
 
 
@@ -157,9 +308,14 @@ def dequantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
     x = np.asarray(x)
     flat, out = x.reshape(-1), np.empty(x.shape, np.float32)
     values = out.reshape(-1)
-    for part in _blocks(flat.size):
-        np.subtract(flat[part], np.float32(q.zero_point), out=values[part], dtype=np.float32)
-        values[part] *= np.float32(q.scale)
+
+    def span(part: slice) -> None:
+        for start in range(part.start, part.stop, HOST_BLOCK):
+            block = slice(start, min(part.stop, start + HOST_BLOCK))
+            np.subtract(flat[block], np.float32(q.zero_point), out=values[block], dtype=np.float32)
+            values[block] *= np.float32(q.scale)
+
+    run_all(span, _spans(flat.size))
     return out
 
 
@@ -211,19 +367,22 @@ class NpuLayer:
     def run_batch(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 outputs for a batch of samples (each input ``[N, *shape]``), and how many accumulators
         overflowed computing them: the stream runs on :data:`NPU_BATCH` samples at a time
-        (:func:`simulator.batch.run_stream_batch`, equal to one run per sample); a layer TVM builds runs per
-        sample."""
+        (:func:`simulator.batch.run_stream_batch`, equal to one run per sample), a large batch split between the
+        worker threads; a layer TVM builds runs per sample."""
         count = len(inputs[0])
         if self.stream is None:
             results = [self.run([x[n] for x in inputs]) for n in range(count)]
             return np.stack([r[0] for r in results]), sum(r[1] for r in results)
-        outputs, overflows = [], 0
-        for start in range(0, count, NPU_BATCH):
-            feeds = {name: np.ascontiguousarray(x[start:start + NPU_BATCH]) for name, x in zip(self.names, inputs)}
+        parts = parallel.WORKERS if count * sum(x[0].size for x in inputs) >= NPU_SPLIT_ELEMENTS else 1
+        step = min(NPU_BATCH, -(-count // parts))
+
+        def run(part: slice):
+            feeds = {name: np.ascontiguousarray(x[part]) for name, x in zip(self.names, inputs)}
             out, stats = run_stream_batch(self.stream, feeds, self.config)
-            outputs.append(out["output0"])
-            overflows += stats.total_overflows
-        return np.concatenate(outputs), overflows
+            return out["output0"], stats.total_overflows
+
+        results = run_all(run, [slice(start, start + step) for start in range(0, count, step)])
+        return np.concatenate([r[0] for r in results]), sum(r[1] for r in results)
 
     def run(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 output for one sample, and how many accumulators overflowed computing it."""

@@ -1,0 +1,107 @@
+"""Calibration's numpy work on every core: independent tasks shared by the calling thread and a pool, results in
+order.
+
+Numpy releases the GIL inside its loops and BLAS calls, so threads run its kernels side by side. Each task
+computes exactly what the sequential code computes on the same slice (a chunk of samples, one sample), and the
+caller combines the results in the sequential order, so nothing depends on how many threads ran them: the
+quantized model is the same bit for bit with one worker or many (``tests/test_quantize_speed_paths.py``).
+
+BLAS itself stays on one thread per call (:func:`npu_backend.quantization.batched_float.one_blas_thread`): OpenBLAS
+splits a multiply between its threads in ways that change the order of the float32 additions, so its results
+would differ in the last bits from one thread's, and with them the observed ranges.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor, wait
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity mask where the platform has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+MAX_DEFAULT_WORKERS = 8
+"""The default's ceiling: each share of a simulator batch decodes and validates its stream again (Python, one
+thread at a time), and a layer's numpy work is a few tasks per sample chunk, so more threads gain little."""
+WORKERS = max(1, int(os.environ.get("NPU_QUANTIZE_THREADS", 0)) or min(_cores(), MAX_DEFAULT_WORKERS))
+"""Threads calibration's numpy work runs on (``NPU_QUANTIZE_THREADS``; default: every core, at most
+:data:`MAX_DEFAULT_WORKERS`)."""
+
+_state = threading.local()
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (its size, the pool)
+_pool_lock = threading.Lock()
+
+
+def _mark_worker() -> None:
+    _state.worker = True
+
+
+def _executor() -> ThreadPoolExecutor:
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != WORKERS - 1:
+            if _pool is not None:
+                _pool[1].shutdown(wait=False)  # its threads end once idle
+            _pool = (WORKERS - 1, ThreadPoolExecutor(max_workers=WORKERS - 1, thread_name_prefix="npu-quantize",
+                                                     initializer=_mark_worker))
+        return _pool[1]
+
+
+def run_all(task: Callable, items: Iterable) -> list:
+    """``[task(item) for item in items]``, the tasks shared between the caller and ``WORKERS - 1`` pool threads.
+
+    Each thread takes the next item until none is left, so the calling thread works too and a slow task holds
+    up no other. Inline when there is one worker or one item, and on a pipeline thread or inside a task (a task
+    never waits for the pool it runs on). An exception is raised here after every task ended (the first item's
+    that failed).
+    """
+    items = list(items)
+    if WORKERS < 2 or len(items) < 2 or getattr(_state, "worker", False):
+        return [task(item) for item in items]
+    results: list = [None] * len(items)
+    errors: list = []
+    order = itertools.count()  # next() on a count is atomic under the GIL
+
+    def drain() -> None:
+        while (k := next(order)) < len(items):
+            try:
+                results[k] = task(items[k])
+            except BaseException as error:  # noqa: BLE001 - re-raised by the caller below
+                errors.append((k, error))
+
+    helpers = [_executor().submit(drain) for _ in range(min(WORKERS - 1, len(items) - 1))]
+    drain()
+    wait(helpers)
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return results
+
+
+def spawn(target: Callable, name: str) -> threading.Thread:
+    """Start ``target()`` on a daemon thread of its own: a pipeline stage that runs beside the calibration, its
+    numpy work inline (the pool's threads are the calibration's)."""
+
+    def stage() -> None:
+        _mark_worker()
+        target()
+
+    thread = threading.Thread(target=stage, name=name, daemon=True)
+    thread.start()
+    return thread
+
+
+@contextlib.contextmanager
+def workers(count: int):
+    """Run calibration on ``count`` threads inside the block (benchmarks and tests compare 1 with many)."""
+    global WORKERS
+    previous, WORKERS = WORKERS, max(1, int(count))
+    try:
+        yield
+    finally:
+        WORKERS = previous

@@ -1,0 +1,271 @@
+"""Calibration's fast paths against the exact ones they replace, value for value (bit for bit).
+
+Calibration splits its numpy work between threads (npu_backend.quantization.parallel), observes a batch of
+samples at once, reads accumulator extremes from the sums' extremes, computes unclamped elementwise layers with
+numpy and runs the float model on a thread of its own: each must give exactly what the one-sample, one-thread,
+TVM computation gives, or the chosen qparams would move.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from float_models import float_cnn
+from npu_backend import NpuError, QConfig
+from npu_backend.quantization import batched_float, calibrate, observers, parallel, steps
+from npu_backend.quantization.layers import cut_layers
+from npu_backend.quantization.observers import Batches, TensorStats
+from npu_backend.quantization.rewrite import TensorQ
+from npu_backend.quantization.steps import FloatLayers, ReferencePass, dequantize_host, quantize_host
+
+RNG = np.random.default_rng(21)
+
+
+def _fields(stats: TensorStats):
+    return (stats.min, stats.max, stats.count, stats.zeros, stats.mean, stats.std, stats._range,
+            stats._counts.tolist())
+
+
+def _one_by_one(samples, bins=2048) -> TensorStats:
+    stats = TensorStats(bins=bins)
+    for sample in samples:
+        stats.update(sample)
+    return stats
+
+
+# --- TensorStats.update_each: N updates in one call ----------------------------------------------------------------
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_update_each_is_one_update_per_sample(workers):
+    # Growing ranges widen the histogram between samples; exact zeros come first (no grid yet); ints too.
+    floats = np.clip(RNG.normal(0, 1, (9, 700)), 0, 6).astype(np.float32) * np.geomspace(0.1, 40, 9)[:, None]
+    floats[:2] = 0.0
+    ints = RNG.integers(-128, 128, (5, 300)).astype(np.int8)
+    for samples, bins in ((floats.astype(np.float32), 2048), (floats.astype(np.float32), 8), (ints, 16)):
+        with parallel.workers(workers):
+            batched = TensorStats(bins=bins)
+            batched.update_each(samples[:4])
+            batched.update_samples(samples[4:])
+        assert _fields(batched) == _fields(_one_by_one(samples, bins))
+
+
+@pytest.mark.parametrize("block", [7, 1 << 17])
+def test_histogram_blocks_count_what_one_pass_over_the_values_counts(block, monkeypatch):
+    monkeypatch.setattr(observers, "HISTOGRAM_BLOCK", block)
+    monkeypatch.setattr(observers, "_buffers", threading.local())
+    values = RNG.normal(0, 1, 1000).astype(np.float32)
+    values[:3] = [values.max() * -1.5, 0.0, values.max() * 1.5]  # the extremes land on the grid's ends
+    stats = TensorStats(bins=64)
+    stats.update(values)
+    scale = 32 / stats._range
+    want = np.bincount(np.clip(np.floor(values.astype(np.float64) * scale) + 32, 0, 63).astype(np.intp), minlength=64)
+    assert stats._counts.tolist() == want.tolist()
+
+
+def test_update_samples_takes_batches_arrays_and_iterables_alike():
+    samples = RNG.normal(0, 2, (7, 50)).astype(np.float32)
+    want = _fields(_one_by_one(samples))
+    for form in (samples, Batches(lambda: iter([samples[:3], samples[3:]])), list(samples)):
+        stats = TensorStats()
+        stats.update_samples(form)
+        assert _fields(stats) == want
+    assert [s.tolist() for s in Batches(lambda: iter([samples[:3], samples[3:]]))] == samples.tolist()
+
+
+def test_a_bad_sample_stops_update_each_where_separate_updates_stop():
+    samples = RNG.normal(0, 1, (4, 20)).astype(np.float32)
+    samples[2, 5] = np.nan
+    stats = TensorStats()
+    with pytest.raises(NpuError, match="NaN or infinite"):
+        stats.update_each(samples)
+    assert _fields(stats) == _fields(_one_by_one(samples[:2]))
+    huge = np.array([[1e-300], [1e308], [-1e308]])
+    stats = TensorStats()
+    with pytest.raises(NpuError, match="overflow the histogram's range"):
+        stats.update_each(huge)
+    assert (stats.count, stats.max) == (1, 1e-300)  # the sample that could not widen the grid is not in
+
+
+# --- float layers: chunks on threads, fused bias and clamp ----------------------------------------------------------
+
+def _conv_layer(layout, kernel_layout, groups, shape, out, **kwargs):
+    channels = shape[1] if layout == "NCHW" else shape[-1]
+    o_i = {"O": out, "I": channels // groups, "H": kwargs.pop("k", 3), "W": 3}
+    o_i["W"] = o_i["H"]
+    weight = RNG.normal(0, 0.3, [o_i[a] for a in kernel_layout]).astype(np.float32)
+    bias_shape = (1, out, 1, 1) if layout == "NCHW" else (out,)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(weight), groups=groups, data_layout=layout,
+                                           kernel_layout=kernel_layout, **kwargs))
+            y = bb.emit(relax.op.add(y, relax.const(RNG.normal(0, 0.1, bias_shape).astype(np.float32))))
+            y = bb.emit(relax.op.clip(y, 0, 6))
+            result = bb.emit_output(y)
+        bb.emit_func_output(result)
+    (layer,), folded = cut_layers(bb.get()["main"])
+    return layer, folded
+
+
+LAYERS = {
+    "pointwise NCHW": ("NCHW", "OIHW", 1, (1, 16, 6, 5), 24, dict(k=1)),
+    "strided NCHW (gathered taps)": ("NCHW", "OIHW", 1, (1, 3, 9, 8), 10, dict(strides=[2, 2], padding=[1, 1, 1, 1])),
+    "depthwise NCHW": ("NCHW", "OIHW", 8, (1, 8, 7, 7), 8, dict(padding=[1, 1, 1, 1])),
+    "NHWC": ("NHWC", "HWIO", 1, (1, 9, 8, 6), 10, dict(padding=[1, 1, 1, 1], dilation=[2, 2])),
+}
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_float_layers_are_the_same_on_any_number_of_threads(name, monkeypatch):
+    layer, _ = _conv_layer(*LAYERS[name][:5], **dict(LAYERS[name][5]))
+    plan = batched_float.plan_weighted(layer)
+    assert plan is not None
+    x = RNG.normal(0, 1, (7, *[int(d) for d in layer.inputs[0].ty.shape.values])).astype(np.float32)
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", x[0].size * 2)  # chunks of 2 samples, one of 1
+    with parallel.workers(1):
+        acc1, out1 = plan.finished(layer, x, layer.weight, layer.bias)
+        sums1 = plan.sums(x, layer.weight)
+    with parallel.workers(2):
+        acc2, out2 = plan.finished(layer, x, layer.weight, layer.bias)
+        sums2 = plan.sums(x, layer.weight)
+    for a, b in ((acc1, acc2), (out1, out2), (sums1, sums2)):
+        assert a.tobytes() == b.tobytes()
+    # the fused finish is the unfused one: sums, plus the bias in its own shape, then the clamp, all float32
+    bias = layer.bias.astype(np.float32).reshape(layer.bias_shape)
+    assert acc1.tobytes() == (sums1 + bias).tobytes()
+    assert out1.tobytes() == np.clip(sums1 + bias, np.float32(0), np.float32(6)).tobytes()
+
+
+@pytest.mark.parametrize("name", LAYERS)
+def test_an_observation_reads_what_the_chunks_hold(name, monkeypatch):
+    layer, _ = _conv_layer(*LAYERS[name][:5], **dict(LAYERS[name][5]))
+    plan = batched_float.plan_weighted(layer)
+    x = RNG.normal(0, 1, (5, *[int(d) for d in layer.inputs[0].ty.shape.values])).astype(np.float32)
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", 1)  # one sample a chunk
+    sums = batched_float.LayerSums(plan, plan.sums(x, layer.weight))
+    bias = RNG.normal(0, 0.5, layer.bias.shape).astype(np.float32)
+    observed = sums.observed(layer, bias)
+    acc = sums.sums + bias.reshape(layer.bias_shape)
+    axis = plan.channel_axis(acc.ndim)
+    others = tuple(a for a in range(acc.ndim) if a != axis)
+    low, high = observed.accumulator_extremes(others)  # from the sums' extremes: monotone float32 addition
+    assert low.tobytes() == acc.min(axis=others).astype(np.float64).tobytes()
+    assert high.tobytes() == acc.max(axis=others).astype(np.float64).tobytes()
+    parts = observed.accumulator_sums(others)
+    assert len(parts) == 5
+    for n, part in enumerate(parts):
+        assert part.tobytes() == np.sum(acc[n:n + 1], axis=others, dtype=np.float64).tobytes()
+    wrong_axis = tuple(a for a in range(acc.ndim) if a != acc.ndim - 2)  # any other reduction: no shortcut
+    assert observed.accumulator_extremes(wrong_axis)[0].tobytes() == acc.min(axis=wrong_axis).astype(
+        np.float64).tobytes()
+    batches = [b.copy() for b in observed.output_batches()]
+    assert np.concatenate(batches).tobytes() == np.clip(acc, np.float32(0), np.float32(6)).tobytes()
+
+
+def _elementwise_model(op):
+    bb = relax.BlockBuilder()
+    a = relax.Var("a", relax.TensorType((1, 4, 5, 6), "float32"))
+    b = relax.Var("b", relax.TensorType((1, 1, 1, 6), "float32"))
+    with bb.function("main", [a, b]):
+        with bb.dataflow():
+            y = bb.emit(op(a, b))
+            y = bb.emit(relax.op.add(y, relax.const(RNG.normal(0, 1, (1, 1, 5, 1)).astype(np.float32))))
+            result = bb.emit_output(y)
+        bb.emit_func_output(result)
+    return bb.get()["main"]
+
+
+@pytest.mark.parametrize("op", [relax.op.add, relax.op.subtract, relax.op.multiply])
+def test_numpy_elementwise_layers_equal_tvms(op):
+    layers, folded = cut_layers(_elementwise_model(op))
+    floats = FloatLayers(layers, folded)
+    assert all(floats.elementwise[layer.index] is not None for layer in layers)
+    tvm_layers = FloatLayers._compile(layers, folded)
+    a = (RNG.normal(0, 1, (3, 1, 4, 5, 6)) * 10).astype(np.float32)
+    b = RNG.normal(0, 1, (3, 1, 1, 1, 6)).astype(np.float32)
+    with parallel.workers(2):
+        _, first = floats.run_batch(layers[0], [a, b])
+        constants = list(layers[1].constants.values())
+        _, second = floats.run_batch(layers[1], [first], constants=constants)
+    for n in range(3):
+        want = tvm_layers[f"layer_{layers[0].index}"](tvm.runtime.tensor(a[n]), tvm.runtime.tensor(b[n])).numpy()
+        assert first[n].tobytes() == want.tobytes()
+        want = tvm_layers[f"layer_{layers[1].index}"](tvm.runtime.tensor(want),
+                                                       tvm.runtime.tensor(constants[0])).numpy()
+        assert second[n].tobytes() == want.tobytes()
+
+
+def test_only_unclamped_binary_layers_leave_tvm():
+    layers, folded = cut_layers(float_cnn()["main"])
+    floats = FloatLayers(layers, folded)
+    numpy_kinds = sorted(layer.kind.name for layer in layers if floats.elementwise[layer.index] is not None)
+    assert numpy_kinds == ["add", "multiply"]  # the residual add and the squeeze-excite multiply
+    assert all(floats.elementwise[layer.index] is None for layer in layers if layer.clamp is not None)
+
+
+def test_host_quantize_split_between_threads_equals_one_pass(monkeypatch):
+    x = (RNG.standard_normal((5, 3 * steps.HOST_BLOCK + 11)) * 6).astype(np.float32)
+    q = TensorQ(0.047, -3)
+    with parallel.workers(1):
+        want_q, want_d = quantize_host(x, q), dequantize_host(x.astype(np.int8), q)
+    monkeypatch.setattr(steps, "CHUNK_ELEMENTS", steps.HOST_BLOCK)
+    with parallel.workers(2):
+        assert len(steps._spans(x.size)) == 2
+        assert quantize_host(x, q).tobytes() == want_q.tobytes()
+        assert dequantize_host(x.astype(np.int8), q).tobytes() == want_d.tobytes()
+
+
+# --- the float reference pass on its own thread ---------------------------------------------------------------------
+
+def test_reference_pass_gives_each_layer_in_order_and_hands_over_errors():
+    layers, folded = cut_layers(float_cnn()["main"])
+    floats = FloatLayers(layers, folded)
+    x = RNG.random((4, 1, 8, 8, 1)).astype(np.float32)
+    param = float_cnn()["main"].params[0]
+    (param,) = [v for v in layers[0].inputs]
+    last_use = {v: layer.index for layer in layers for v in layer.inputs}
+    values = {param: x}
+    pending = ReferencePass(floats, layers, values, last_use, keep=())
+    for layer in layers:
+        got = pending.take(layer)
+        want = floats.run_batch(layer, [values[v] for v in layer.inputs], layer.weight, layer.bias,
+                                list(layer.constants.values()))
+        values[layer.output] = want[1]
+        assert got[1].tobytes() == want[1].tobytes()
+        assert (got[0] is None) == (want[0] is None)
+    broken = ReferencePass(floats, layers, {}, last_use, keep=())  # no input values: the first layer fails
+    with pytest.raises(KeyError):
+        broken.take(layers[0])
+
+
+# --- the whole calibration ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("config", [QConfig(), QConfig(calibration="kl", rounding="onnxruntime"),
+                                    QConfig(accumulator_bits=16, avoid_overflow=True, calibration="mse")],
+                         ids=["default", "kl", "acc16-mse"])
+def test_calibration_is_the_same_on_one_thread_and_many(config, monkeypatch):
+    calibration = RNG.random((10, 8, 8, 1)).astype(np.float32)
+    # Small chunks, so that every batch is cut into several (a chunk's rows decide how BLAS sums, so both runs
+    # cut alike); the many-thread run also splits every simulator batch (integers: exact however it is cut).
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", 64)
+    with parallel.workers(1):
+        one = calibrate(float_cnn(), calibration, config)
+    monkeypatch.setattr(steps, "NPU_SPLIT_ELEMENTS", 1)
+    with parallel.workers(2):
+        many = calibrate(float_cnn(), calibration, config)
+    assert many.report.to_json() == one.report.to_json()
+    assert {i: (w.weight.tobytes(), w.bias.tobytes() if w.bias is not None else None)
+            for i, w in many._plan.weights.items()} == {
+        i: (w.weight.tobytes(), w.bias.tobytes() if w.bias is not None else None) for i, w in one._plan.weights.items()}
+    assert list(many._plan.tensors.values()) == list(one._plan.tensors.values())
+    test = RNG.random((3, 8, 8, 1)).astype(np.float32)
+    for a, b in zip(many.simulate(test), one.simulate(test)):
+        assert a[0].tobytes() == b[0].tobytes()
+    assert math.isfinite(one.report.output_sqnr_db)
