@@ -80,11 +80,11 @@ def prefetch_repacked(schedule: Schedule, config: NpuConfig) -> None:
         raise ScheduleError("the allocation that fitted no longer fits")  # cannot happen: same buffers
 
 
-def _moves_repacked(config: NpuConfig, steps: list[Step], comp: list[int], fifo: list[tuple[int, int]],
-                    live: list[int], limit: float) -> list:
+def _walk(config: NpuConfig, steps: list[Step], comp: list[int], fifo: list[tuple[int, int]], place) -> list:
     """Walk the two engines through the steps in program order; whenever the DMA engine would idle
     before a step's compute ends, emit the next constant loads (in the order they are used) during that
-    step, while SRAM stays under ``limit`` bytes at every step they are held across."""
+    step, each where ``place(t, w, load)`` finds room for it from step ``t`` until its use at step ``w``
+    (it returns the move to record, or None: a later constant may still fit)."""
     moves, head = [], 0
     hoisted: set[tuple[int, int]] = set()
     done: dict[tuple[int, int], int] = {}
@@ -108,20 +108,34 @@ def _moves_repacked(config: NpuConfig, steps: list[Step], comp: list[int], fifo:
             j, k = fifo[candidate]
             candidate += 1
             load, w = steps[j].loads[k], steps[j].issue
-            if (j, k) in hoisted or w <= t + 1:
+            if (j, k) in hoisted or w <= t + 1 or any(steps[u].opaque for u in range(t, w)):
                 continue
-            if max(live[t:w]) + load.sram.size > limit or any(steps[u].opaque for u in range(t, w)):
-                continue  # no room to hold it that long: a later constant may still fit
-            for u in range(t, w):
-                live[u] += load.sram.size
+            move = place(t, w, load)
+            if move is None:
+                continue
             dma += dma_cycles(config, load.row_bytes, load.rows)
             done[(j, k)] = dma
             hoisted.add((j, k))
-            load.sram.first = t
-            moves.append((steps[j], k, t, load.sram))
+            moves.append((steps[j], k, t, *move))
         for store in steps[t].stores:
             dma = max(dma, compute) + dma_cycles(config, store.row_bytes, store.rows)
     return moves
+
+
+def _moves_repacked(config: NpuConfig, steps: list[Step], comp: list[int], fifo: list[tuple[int, int]],
+                    live: list[int], limit: float) -> list:
+    """:func:`_walk` holding each prefetched constant while SRAM stays under ``limit`` bytes at every step it
+    is held across (the allocation is then run again)."""
+
+    def place(t: int, w: int, load):
+        if max(live[t:w]) + load.sram.size > limit:
+            return None
+        for u in range(t, w):
+            live[u] += load.sram.size
+        load.sram.first = t
+        return (load.sram,)
+
+    return _walk(config, steps, comp, fifo, place)
 
 
 def prefetch_above(schedule: Schedule, config: NpuConfig) -> None:
@@ -184,45 +198,18 @@ def _place_above(config: NpuConfig, placed: list, high: list[int], first: int, l
 
 def _moves_above(config: NpuConfig, steps: list[Step], comp: list[int], fifo: list[tuple[int, int]],
                  high: list[int]) -> list:
-    """Walk the two engines through the steps in program order; whenever the DMA engine would idle
-    before a step's compute ends, emit the next constant loads (in the order they are used) during that
-    step, where SRAM above the allocation has room for them until their last use."""
-    moves, head, placed = [], 0, []
-    hoisted: set[tuple[int, int]] = set()
-    done: dict[tuple[int, int], int] = {}
-    dma = compute = 0
-    regular: dict[int, list[tuple[int, int]]] = {}
-    for j, step in enumerate(steps):
-        for k in range(len(step.loads)):
-            regular.setdefault(step.hoisted.get(k, step.issue), []).append((j, k))
-    for t in range(len(steps)):
-        for j, k in regular.get(t, []):  # the loads emitted at t, in order
-            if (j, k) not in hoisted:
-                load = steps[j].loads[k]
-                dma += dma_cycles(config, load.row_bytes, load.rows)
-                done[(j, k)] = dma
-        start = max([compute] + [done.get((t, k), 0) for k in range(len(steps[t].loads))])
-        compute = start + comp[t]
-        while head < len(fifo) and steps[fifo[head][0]].issue <= t + 1:
-            head += 1  # emitted at most a step later anyway
-        candidate = head
-        while candidate < len(fifo) and not steps[t].opaque and dma < compute:
-            j, k = fifo[candidate]
-            candidate += 1
-            load, w = steps[j].loads[k], steps[j].issue
-            if (j, k) in hoisted or w <= t + 1 or any(steps[u].opaque for u in range(t, w)):
-                continue
-            address = _place_above(config, placed, high, t, load.sram.last, load.sram.size)
-            if address is None:
-                continue  # no room to hold it that long: a later constant may still fit
-            placed.append((address, load.sram.size, t, load.sram.last))
-            dma += dma_cycles(config, load.row_bytes, load.rows)
-            done[(j, k)] = dma
-            hoisted.add((j, k))
-            moves.append((steps[j], k, t, load.sram, address))
-        for store in steps[t].stores:
-            dma = max(dma, compute) + dma_cycles(config, store.row_bytes, store.rows)
-    return moves
+    """:func:`_walk` placing each prefetched constant where SRAM above the allocation has room for it until
+    its last use."""
+    placed = []
+
+    def place(t: int, w: int, load):
+        address = _place_above(config, placed, high, t, load.sram.last, load.sram.size)
+        if address is None:
+            return None
+        placed.append((address, load.sram.size, t, load.sram.last))
+        return (load.sram, address)
+
+    return _walk(config, steps, comp, fifo, place)
 
 
 PREFETCH_POLICIES = {"repack": prefetch_repacked, "above": prefetch_above}
