@@ -196,7 +196,6 @@ def test_the_summary_prints_the_table_and_the_engines_busy_line():
 # The plot.
 
 def test_the_plot_is_a_png(tmp_path):
-    pytest.importorskip("matplotlib")
     path = tmp_path / "p.png"
     Profile([("overlapped", _overlapped()), ("serial", _serial())]).plot(path)
     data = path.read_bytes()
@@ -222,7 +221,6 @@ def _two_layer_file(tmp_path):
 
 
 def test_sim_writes_the_trace_and_the_plot_and_prints_where_commands_start(tmp_path, capsys):
-    pytest.importorskip("matplotlib")
     trace, plot = tmp_path / "t.json", tmp_path / "p.png"
     assert main(["sim", *_two_layer_file(tmp_path), "--repeat", "2", "--trace", str(trace), "--plot", str(plot)]) == 0
     out = capsys.readouterr()
@@ -238,8 +236,6 @@ def test_sim_writes_the_trace_and_the_plot_and_prints_where_commands_start(tmp_p
 
 
 def test_a_progress_bar_follows_the_inferences_on_a_terminal(tmp_path, monkeypatch, capsys):
-    pytest.importorskip("tqdm")
-
     class Terminal(io.StringIO):
         def isatty(self):
             return True
