@@ -15,14 +15,15 @@ from __future__ import annotations
 import numpy as np
 
 from simulator.config import NpuConfig
-from simulator.isa import (Buffer, BufferKind, Command, Convolution, DmaCopy, Elementwise, FeatureMap, MemorySpace,
-                           Opcode, Pooling, Reduction, Softmax, TableLookup)
+from simulator.isa import (Buffer, BufferKind, Command, DmaCopy, Elementwise, FeatureMap, MemorySpace,
+                           Opcode, Reduction, Softmax, TableLookup)
 from simulator.numerics import Rounding
 
 from ..errors import UnsupportedOpError
 from ..params import (ConcatParams, ConvParams, ElementwiseParams, LutParams, MeanParams, PadParams, PoolParams,
                       ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
-from ..tiling import LayerGeometry, TilePlan, as_global_mean
+from ..tiling import TilePlan, as_global_mean
+from .programs import MacProgram, Operand, PoolProgram
 
 
 class StreamBuilder:
@@ -75,36 +76,28 @@ def mac_program(opcode: Opcode):
 
 def _emit_mac(sb: StreamBuilder, opcode: Opcode, p: ConvParams, plan: TilePlan, prepared, layer: str,
               sources: list[int], dst: int) -> None:
+    """The layer's row program (:class:`~npu_backend.codegen.programs.MacProgram`) says what each tile
+    computes and holds its constants; here every tile goes DRAM -> SRAM -> DRAM at the plan's addresses."""
     (src,) = sources
-    g = LayerGeometry.of(p)
-    multiplier, shift = prepared
-    table = np.stack([p.bias.astype(np.int32), multiplier, shift], axis=1).astype("<i4")
-    weights = sb.add_buffer(f"{layer}.weights", BufferKind.CONSTANT, p.weights.shape,
-                            data=np.ascontiguousarray(p.weights, dtype=np.int8).tobytes())
-    scale_bias = sb.add_buffer(f"{layer}.scale_bias", BufferKind.CONSTANT, table.shape, "int32",
-                               data=table.tobytes())
-    per_channel_weights = g.weight_bytes(1)
+    program = MacProgram(opcode, p, prepared)
+    g = program.g
+    weights_c, table_c = program.constants
+    weights = sb.add_buffer(f"{layer}.weights", BufferKind.CONSTANT, weights_c.shape, data=weights_c.data)
+    scale_bias = sb.add_buffer(f"{layer}.scale_bias", BufferKind.CONSTANT, table_c.shape, "int32", data=table_c.data)
     for c0 in range(0, g.out_channels, plan.channel_tile):
         ct = min(plan.channel_tile, g.out_channels - c0)
-        sb.dma(layer, weights, c0 * per_channel_weights, plan.weights_address, ct * per_channel_weights)
-        sb.dma(layer, scale_bias, c0 * table.shape[1] * 4, plan.scale_bias_address, ct * table.shape[1] * 4)
+        sb.dma(layer, weights, c0 * weights_c.per_channel, plan.weights_address, ct * weights_c.per_channel)
+        sb.dma(layer, scale_bias, c0 * table_c.per_channel, plan.scale_bias_address, ct * table_c.per_channel)
         in_c0, in_ct = (c0 // g.multiplier, ct // g.multiplier) if g.depthwise else (0, g.in_channels)
         for oy0 in range(0, g.out_height, plan.row_tile):
             oy1 = min(g.out_height, oy0 + plan.row_tile)
-            iy0, iy1, pad_top, pad_bottom = g.input_rows(oy0, oy1)
-            if iy1 <= iy0:
+            window = program.window(0, oy0, oy1)
+            if window.stop <= window.start:
                 raise UnsupportedOpError(f"{layer}: output rows {oy0}..{oy1} read only padding")
-            sb.feature_dma(layer, src, iy0 * g.width, (iy1 - iy0) * g.width, g.in_channels, in_c0, in_ct,
-                           plan.ifm_address, to_sram=True, element_bytes=g.element_bytes)
-            conv = Convolution(
-                ifm=FeatureMap(plan.ifm_address, iy1 - iy0, g.width, in_ct, p.activation_type),
-                ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct, p.activation_type),
-                weights_address=plan.weights_address, scale_bias_address=plan.scale_bias_address,
-                kernel=g.kernel, stride=g.strides, dilation=g.dilation,
-                padding=(pad_top, g.padding[1], pad_bottom, g.padding[3]),
-                input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
-                act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding)
-            sb.commands.append(Command(opcode, conv, layer))
+            sb.feature_dma(layer, src, window.start * g.width, (window.stop - window.start) * g.width,
+                           g.in_channels, in_c0, in_ct, plan.ifm_address, to_sram=True, element_bytes=g.element_bytes)
+            sb.commands.append(program.command(layer, oy0, oy1, c0, ct, [Operand(plan.ifm_address, window)],
+                                               plan.ofm_address, [plan.weights_address, plan.scale_bias_address]))
             sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
                            plan.ofm_address, to_sram=False, element_bytes=g.element_bytes)
 
@@ -208,25 +201,20 @@ def pool_program(opcode: Opcode):
 
 def _emit_pool(sb: StreamBuilder, opcode: Opcode, p: PoolParams, plan: TilePlan, layer: str, sources: list[int],
                dst: int) -> None:
+    """The layer's row program (:class:`~npu_backend.codegen.programs.PoolProgram`) says what each tile
+    computes; here every tile goes DRAM -> SRAM -> DRAM at the plan's addresses."""
     (src,) = sources
-    g = LayerGeometry.of(p)
-    qparams = (dict(rounding=p.rounding, input_scale=p.input_scale, input_zero_point=p.input_zero_point,
-                    output_scale=p.output_scale, output_zero_point=p.output_zero_point)
-               if opcode == Opcode.AVG_POOL2D and p.rounding == Rounding.ONNXRUNTIME else {})
+    program = PoolProgram(opcode, p, None)
+    g = program.g
     for c0 in range(0, g.out_channels, plan.channel_tile):
         ct = min(plan.channel_tile, g.out_channels - c0)
         for oy0 in range(0, g.out_height, plan.row_tile):
             oy1 = min(g.out_height, oy0 + plan.row_tile)
-            iy0, iy1, pad_top, pad_bottom = g.input_rows(oy0, oy1)
-            sb.feature_dma(layer, src, iy0 * g.width, (iy1 - iy0) * g.width, g.in_channels, c0, ct,
-                           plan.ifm_address, to_sram=True)
-            op = Pooling(ifm=FeatureMap(plan.ifm_address, iy1 - iy0, g.width, ct),
-                         ofm=FeatureMap(plan.ofm_address, oy1 - oy0, g.out_width, ct),
-                         kernel_h=g.kernel[0], kernel_w=g.kernel[1], stride_h=g.strides[0],
-                         stride_w=g.strides[1], pad_top=pad_top, pad_left=g.padding[1],
-                         pad_bottom=pad_bottom, pad_right=g.padding[3], act_min=p.clamp[0], act_max=p.clamp[1],
-                         **qparams)
-            sb.commands.append(Command(opcode, op, layer))
+            window = program.window(0, oy0, oy1)
+            sb.feature_dma(layer, src, window.start * g.width, (window.stop - window.start) * g.width,
+                           g.in_channels, c0, ct, plan.ifm_address, to_sram=True)
+            sb.commands.append(program.command(layer, oy0, oy1, c0, ct, [Operand(plan.ifm_address, window)],
+                                               plan.ofm_address, []))
             sb.feature_dma(layer, dst, oy0 * g.out_width, (oy1 - oy0) * g.out_width, g.out_channels, c0, ct,
                            plan.ofm_address, to_sram=False)
 

@@ -109,7 +109,16 @@ class RowProgram:
                    for i in range(len(self.inputs)))
 
 
-class MacProgram(RowProgram):
+class WindowedProgram(RowProgram):
+    """A layer whose output rows read a kernel window of input rows (its ``g``: :class:`LayerGeometry`)."""
+
+    g: LayerGeometry
+
+    def window(self, operand: int, o0: int, o1: int) -> Window:
+        return Window(*self.g.input_rows(o0, o1))
+
+
+class MacProgram(WindowedProgram):
     """CONV2D, DEPTHWISE_CONV2D and FULLY_CONNECTED: weights and the scale/bias table stay in SRAM."""
 
     def __init__(self, opcode: Opcode, p: ConvParams, prepared):
@@ -123,9 +132,6 @@ class MacProgram(RowProgram):
         self.constants = (Constant("weights", weights.tobytes(), weights.shape, "int8", g.weight_bytes(1)),
                           Constant("scale_bias", table.tobytes(), table.shape, "int32", SCALE_BIAS_WORDS * 4))
         self.splits_channels = not g.depthwise
-
-    def window(self, operand: int, o0: int, o1: int) -> Window:
-        return Window(*self.g.input_rows(o0, o1))
 
     def command(self, layer, o0, o1, c0, ct, ifms, ofm_address, constants):
         g, p = self.g, self.p
@@ -142,7 +148,7 @@ class MacProgram(RowProgram):
         return Command(self.opcode, conv, layer)
 
 
-class PoolProgram(RowProgram):
+class PoolProgram(WindowedProgram):
     """MAX_POOL2D and AVG_POOL2D (windowed; onnxruntime's global average is a MEAN and has no row program)."""
 
     def __init__(self, opcode: Opcode, p: PoolParams, prepared):
@@ -150,9 +156,6 @@ class PoolProgram(RowProgram):
         g = self.g
         self.out = MapShape(g.out_height, g.out_width, g.out_channels)
         self.inputs = (MapShape(g.height, g.width, g.in_channels),)
-
-    def window(self, operand: int, o0: int, o1: int) -> Window:
-        return Window(*self.g.input_rows(o0, o1))
 
     def command(self, layer, o0, o1, c0, ct, ifms, ofm_address, constants):
         g, p = self.g, self.p
