@@ -446,8 +446,9 @@ class Float64Requantizer:
                                  np.float64(0.5 + offset))
 
     @staticmethod
-    def _unsigned_block(rows, dst, w, below, zero, scale, constant, nudge, clamp, low, high, threshold) -> None:
-        """A clamp at or above 0: the truncating cast to unsigned is the floor; then ``zero`` modulo 2**bits."""
+    def _clamped(rows, w, below, scale, constant, nudge, clamp, low, high, threshold) -> None:
+        """Into ``w``: the rows scaled and offset (when ``scale`` is given), nudged down by ``nudge`` below
+        ``threshold`` (when ``below`` is given), clamped; what both blocks share before their floor."""
         if scale is not None:
             np.multiply(rows, scale, out=w)
             np.add(w, constant, out=w)
@@ -457,20 +458,17 @@ class Float64Requantizer:
             np.multiply(mask, nudge, out=amount)
             np.subtract(w, amount, out=w)
         clamp(w, low, high)
+
+    @staticmethod
+    def _unsigned_block(rows, dst, w, below, zero, scale, constant, nudge, clamp, low, high, threshold) -> None:
+        """A clamp at or above 0: the truncating cast to unsigned is the floor; then ``zero`` modulo 2**bits."""
+        Float64Requantizer._clamped(rows, w, below, scale, constant, nudge, clamp, low, high, threshold)
         np.copyto(dst, w, casting="unsafe")
         np.add(dst, zero, out=dst)
 
     @staticmethod
     def _block(rows, dst, w, below, zero, scale, constant, nudge, clamp, low, high, threshold) -> None:
-        if scale is not None:
-            np.multiply(rows, scale, out=w)
-            np.add(w, constant, out=w)
-        if below is not None:
-            amount, mask = below
-            np.less(w, threshold, out=mask)
-            np.multiply(mask, nudge, out=amount)
-            np.subtract(w, amount, out=w)
-        clamp(w, low, high)
+        Float64Requantizer._clamped(rows, w, below, scale, constant, nudge, clamp, low, high, threshold)
         np.floor(w, out=w)
         np.add(w, zero, out=dst, casting="unsafe")
 
