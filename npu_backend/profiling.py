@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from simulator.config import NpuConfig
@@ -24,14 +24,6 @@ from simulator.opcodes import Engine
 
 _ACTIVE: list["Profile"] = []
 
-FIXED_CYCLES: dict[Engine, Callable[[NpuConfig], int]] = {
-    Engine.DMA: lambda config: config.dram_latency_cycles,
-    Engine.COMPUTE: lambda config: config.command_overhead_cycles,
-}
-"""Cycles every command of an engine pays whatever its size (:mod:`simulator.cycles`): a DMA's latency, a
-compute command's issue overhead. What is left of a command's cycles is its work."""
-
-
 @dataclass(frozen=True)
 class LayerRow:
     """One layer of one region: its figures over one call, or summed over ``calls`` calls of the region.
@@ -39,7 +31,8 @@ class LayerRow:
     ``span`` is the layer's elapsed time: from its first command's start to its last command's end (so it
     includes the cycles in which its engines waited, and any other layer's commands that overlapped it).
     ``compute_busy`` and ``dma_busy`` are the cycles its commands ran on each engine; ``compute_fixed`` and
-    ``dma_fixed`` the part of them that is :data:`FIXED_CYCLES`.
+    ``dma_fixed`` the part of them paid whatever the commands' sizes
+    (:attr:`simulator.cycles.CommandCost.fixed_cycles`: DMA latency, issue overhead).
     """
 
     region: str
@@ -63,7 +56,7 @@ class LayerRow:
         fixed = {engine: 0 for engine in Engine}
         for c in commands:
             busy[c.engine] += c.cycles
-            fixed[c.engine] += FIXED_CYCLES[c.engine](config)
+            fixed[c.engine] += c.fixed_cycles
         return cls(region, layer, config, 1, len(commands),
                    max(c.end for c in commands) - min(c.start for c in commands),
                    busy[Engine.COMPUTE], busy[Engine.DMA], fixed[Engine.COMPUTE], fixed[Engine.DMA],

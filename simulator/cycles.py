@@ -47,6 +47,15 @@ class CommandCost:
     macs: int = 0
     dram_read_bytes: int = 0
     dram_write_bytes: int = 0
+    fixed_cycles: int = 0
+    """The part of ``cycles`` a command pays whatever its size: a DMA's latency, a compute command's issue
+    overhead (what tells a layer bound by overhead from one bound by its work)."""
+
+
+def _issued(config: NpuConfig, work: int, macs: int = 0) -> CommandCost:
+    """A compute command: its issue overhead, then ``work`` cycles."""
+    return CommandCost(cycles=config.command_overhead_cycles + work, macs=macs,
+                       fixed_cycles=config.command_overhead_cycles)
 
 
 def dma_cost(opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> CommandCost:
@@ -54,14 +63,15 @@ def dma_cost(opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> CommandCost:
     cycles = config.dram_latency_cycles + math.ceil(moved / config.dram_bytes_per_cycle)
     return CommandCost(cycles=cycles,
                        dram_read_bytes=moved if dma.src_space == MemorySpace.DRAM else 0,
-                       dram_write_bytes=moved if dma.dst_space == MemorySpace.DRAM else 0)
+                       dram_write_bytes=moved if dma.dst_space == MemorySpace.DRAM else 0,
+                       fixed_cycles=config.dram_latency_cycles)
 
 
 def _mac_cost(conv: Convolution | MatMul, config: NpuConfig, macs: int, array: int) -> CommandCost:
     """Issue overhead, then the array and the output stage under it: the slower of the two."""
     outputs = conv.ofm.height * conv.ofm.width * conv.ofm.channels
     output_cycles = math.ceil(outputs / config.output_lanes)
-    return CommandCost(cycles=config.command_overhead_cycles + max(array, output_cycles), macs=macs)
+    return _issued(config, max(array, output_cycles), macs)
 
 
 def array_cycles(folds: int, streamed: int, config: NpuConfig) -> int:
@@ -117,23 +127,21 @@ def batch_matmul_cost(opcode: Opcode, op: MatMul, config: NpuConfig) -> CommandC
 
 def elementwise_cost(opcode: Opcode, op: Elementwise, config: NpuConfig) -> CommandCost:
     """Elementwise unit (ADD, SUB, MUL): two input reads and one output write per element, output_lanes wide."""
-    return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
+    return _issued(config, math.ceil(op.ofm.size / config.output_lanes))
 
 
 def mean_cost(opcode: Opcode, op: Reduction, config: NpuConfig) -> CommandCost:
     """The accumulators sum mac_rows channels per cycle; the output stage then rescales them."""
     pixels = op.ifm.height * op.ifm.width
     array = pixels * math.ceil(op.ifm.channels / config.mac_rows)
-    return CommandCost(cycles=config.command_overhead_cycles + array
-                       + math.ceil(op.ofm.channels / config.output_lanes))
+    return _issued(config, array + math.ceil(op.ofm.channels / config.output_lanes))
 
 
 def pool_cost(opcode: Opcode, op: Pooling, config: NpuConfig) -> CommandCost:
     """The pooling unit compares or adds one window tap of output_lanes channels per cycle."""
     taps = op.kernel_h * op.kernel_w
     pixels = op.ofm.height * op.ofm.width
-    return CommandCost(cycles=config.command_overhead_cycles
-                       + pixels * taps * math.ceil(op.ofm.channels / config.output_lanes))
+    return _issued(config, pixels * taps * math.ceil(op.ofm.channels / config.output_lanes))
 
 
 BILINEAR_TAPS = 4
@@ -144,13 +152,12 @@ def resize_bilinear_cost(opcode: Opcode, op: Resize, config: NpuConfig) -> Comma
     """The pooling unit takes the 2x2 window of each output pixel one weighted tap of output_lanes channels per
     cycle, as it takes a pooling window's taps."""
     pixels = op.ofm.height * op.ofm.width
-    return CommandCost(cycles=config.command_overhead_cycles
-                       + pixels * BILINEAR_TAPS * math.ceil(op.ofm.channels / config.output_lanes))
+    return _issued(config, pixels * BILINEAR_TAPS * math.ceil(op.ofm.channels / config.output_lanes))
 
 
 def lut_cost(opcode: Opcode, op: TableLookup, config: NpuConfig) -> CommandCost:
     """The output stage's table answers output_lanes look-ups per cycle."""
-    return CommandCost(cycles=config.command_overhead_cycles + math.ceil(op.ofm.size / config.output_lanes))
+    return _issued(config, math.ceil(op.ofm.size / config.output_lanes))
 
 
 SOFTMAX_RECIPROCAL_CYCLES = 8
@@ -162,4 +169,4 @@ def softmax_cost(opcode: Opcode, op: Softmax, config: NpuConfig) -> CommandCost:
     then the rescale by the reciprocal; between the last two the row waits for its reciprocal."""
     rows = op.ifm.height * op.ifm.width
     per_row = 3 * math.ceil(op.ifm.channels / config.output_lanes) + SOFTMAX_RECIPROCAL_CYCLES
-    return CommandCost(cycles=config.command_overhead_cycles + rows * per_row)
+    return _issued(config, rows * per_row)

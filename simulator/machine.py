@@ -40,6 +40,8 @@ class CommandStats:
     start: int = 0
     """Cycle at which the command starts in the schedule (:mod:`simulator.timeline`); it ends at start + cycles."""
     deps: tuple[int, ...] = ()
+    fixed_cycles: int = 0
+    """The part of ``cycles`` paid whatever the command's size (:attr:`simulator.cycles.CommandCost.fixed_cycles`)."""
     """The commands it waited for besides its engine's previous one (:func:`simulator.hazards.waits_for`: its
     ``deps``, or the previous command in a stream without dependencies)."""
 
@@ -133,5 +135,5 @@ def run_stats(stream: CommandStream, config: NpuConfig, slots: tuple[Slot, ...],
     return RunStats(stream.name, config, tuple(
         CommandStats(index, command.opcode, command.layer, slot.cost.cycles, slot.cost.macs,
                      slot.cost.dram_read_bytes, slot.cost.dram_write_bytes, count, slot.engine, slot.start,
-                     waits_for(index, command))
+                     waits_for(index, command), slot.cost.fixed_cycles)
         for index, (command, slot, count) in enumerate(zip(stream.commands, slots, overflows))))

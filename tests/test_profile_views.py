@@ -19,7 +19,7 @@ import pytest
 from npu_backend.chrome_trace import TRACKS, chrome_trace
 from npu_backend.cli import main
 from npu_backend.errors import NpuError
-from npu_backend.profiling import FIXED_CYCLES, LayerRow, Profile, overlap_cycles
+from npu_backend.profiling import LayerRow, Profile, overlap_cycles
 from simulator import get_config, run_stream
 from simulator.hazards import dependencies
 from simulator.isa import Opcode
@@ -163,8 +163,9 @@ def test_utilisation_and_floors_are_exact():
 
 
 def test_every_engine_has_its_fixed_cost_per_command():
-    assert set(FIXED_CYCLES) == set(Engine)
-    assert (FIXED_CYCLES[Engine.DMA](CONFIG), FIXED_CYCLES[Engine.COMPUTE](CONFIG)) == (64, 32)
+    stats = _overlapped().commands
+    assert {c.engine for c in stats} == set(Engine)
+    assert {(c.engine, c.fixed_cycles) for c in stats} == {(Engine.DMA, 64), (Engine.COMPUTE, 32)}
 
 
 def test_calls_of_one_region_are_summed_or_kept_apart():
