@@ -17,6 +17,7 @@ from simulator.config import DEFAULT_PRESET, PRESETS
 from simulator.errors import NpuError
 
 from npu_backend.errors import first_line
+from npu_backend.progress import ProgressBar
 
 
 def _load_npy(path: str) -> np.ndarray:
@@ -114,7 +115,7 @@ def cmd_sim(args) -> int:
 
 def _inferences(count: int):
     """range(count), with a progress bar over the inferences when there are several (on a tty, with tqdm)."""
-    progress = _ProgressBar("running", "inference") if count > 1 else None
+    progress = ProgressBar("running", "inference") if count > 1 else None
     try:
         for k in range(count):
             yield k
@@ -335,27 +336,6 @@ def _calibration_data(path: str, names: list[str], key: str | None):
     return {n: arrays[n] for n in names}
 
 
-class _ProgressBar:
-    """A tqdm bar (the ``progress`` extra; only on a tty) over calibrated layers or inferences, opened by the first
-    step, so input refused before it never leaves a bar behind its error line."""
-
-    def __init__(self, desc: str = "calibrating", unit: str = "layer"):
-        self.desc, self.unit, self.bar = desc, unit, None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                return
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, disable=None)
-        self.bar.update(1)
-
-    def close(self) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
 def _headroom(text: str) -> str | float:
     """``--output-headroom``: a number, or the name of a choice; QConfig validates either."""
     try:
@@ -384,7 +364,7 @@ def cmd_quantize(args) -> int:
         if getattr(args, option) is not None:
             settings[option] = getattr(args, option)
     config = QConfig(**settings)
-    progress = _ProgressBar()
+    progress = ProgressBar("calibrating", "layer")
     try:
         calibrated = calibrate(mod, data, config, progress)
     finally:

@@ -11,30 +11,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..progress import ProgressBar
+
 WORKERS_HELP = ("Ray workers (default: one per CPU, on a local Ray started for the run; 0: in this process, "
                 "without Ray)")
-
-
-class _Progress:
-    """A tqdm bar (the ``progress`` extra; only on a terminal) fed with cumulative counts."""
-
-    def __init__(self, desc: str, unit: str):
-        self.desc, self.unit, self.bar = desc, unit, None
-
-    def __call__(self, done: int, total: int) -> None:
-        if self.bar is None:
-            try:
-                from tqdm import tqdm
-            except ImportError:
-                self.bar = False
-                return
-            self.bar = tqdm(total=total, desc=self.desc, unit=self.unit, file=sys.stderr, disable=None)
-        if self.bar:
-            self.bar.update(done - self.bar.n)
-
-    def close(self) -> None:
-        if self.bar:
-            self.bar.close()
 
 
 def _note(message: str) -> None:
@@ -50,7 +30,7 @@ def _placement(args) -> str:
 def cmd_eval(args) -> int:
     from .evaluation import evaluate
 
-    progress = _Progress("evaluating", "sample")
+    progress = ProgressBar("evaluating", "sample")
     start = time.perf_counter()
     try:
         result = evaluate(args.model, args.data, key=args.key, labels=args.labels, reference=args.reference,
@@ -71,7 +51,7 @@ def cmd_eval(args) -> int:
 def cmd_sweep(args) -> int:
     from .sweep import sweep
 
-    progress = _Progress("sweeping", "combination")
+    progress = ProgressBar("sweeping", "combination")
     try:
         result = sweep(args.models or (), args.presets or (), grid=args.grid, seed=args.seed, axis=args.pareto,
                        workers=args.workers, address=args.address, resume=args.resume, progress=progress,
