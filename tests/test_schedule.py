@@ -259,3 +259,36 @@ def test_mobilenet_v2_035_96_runs_bit_exact_on(preset):
     for x, expected in list(zip(golden["inputs"], golden["outputs"]))[:2]:
         got = vm["main"](tvm.runtime.tensor(x)).numpy()
         np.testing.assert_array_equal(got, expected)
+
+
+def test_a_layer_bound_by_its_weight_traffic_streams_smaller_channel_tiles():
+    """A fully connected layer at batch 1 moves 1280 weight bytes per output channel for 1280 MACs: it runs at
+    the DMA's pace whatever its tiles. The streamed-tiles variant gives it tiles of at most a twelfth of SRAM
+    (16 channels here, not 32), and leaves a convolution whose compute outlasts its weight traffic at a sixth;
+    both streams equal the layer-by-layer lowering."""
+    from npu_backend.codegen.schedule import ScheduleOptions
+
+    rng = np.random.default_rng(12)
+    fc = _chain(rng, [(NpuOp.FULLY_CONNECTED, dict(out_channels=200))], (1, 1280))
+    conv = _chain(rng, [(NpuOp.CONV2D, dict(out_channels=256, kernel=(3, 3)))], (1, 14, 14, 64))
+    reference = {id(graph): lower_graph(graph, NPU_256, "region", scheduled=False) for graph in (fc, conv)}
+
+    def tile_channels(graph, streamed: bool) -> list[int]:
+        stream = lower_graph(graph, NPU_256, "region",
+                             variants=(ScheduleOptions("above", streamed_tiles=streamed),))
+        inputs = {t.name: rng.integers(-128, 128, t.shape).astype(np.int8) for t in graph.inputs}
+        got, _ = run_stream(stream, inputs)
+        expected, _ = run_stream(reference[id(graph)], inputs)
+        for name in expected:
+            np.testing.assert_array_equal(got[name], expected[name])
+        opcode = graph.layers[0].params.op
+        computes = [c for c in stream.commands if c.opcode != Opcode.DMA_COPY]
+        assert {c.layer for c in computes} == {graph.layers[0].name}, opcode
+        return [c.payload.ofm.channels for c in computes]
+
+    assert tile_channels(fc, False) == [32] * 6 + [8]
+    assert tile_channels(fc, True) == [16] * 12 + [8]
+    weights = 3 * 3 * 64 * 256  # 147 KiB: over a quarter of SRAM, but 14x14 outputs take longer to compute
+    assert weights > NPU_256.sram_bytes // 4
+    conv_tiles = tile_channels(conv, True)
+    assert conv_tiles == tile_channels(conv, False) and max(conv_tiles) == 64 and sum(conv_tiles) >= 256

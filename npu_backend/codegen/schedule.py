@@ -30,7 +30,9 @@ The strategy, and every decision of it, is here (and deep prefetch in :mod:`npu_
   fits. If nothing helps it raises :class:`ScheduleError` and the region is lowered layer by layer through
   DRAM.
 - **Variants** the cycle model arbitrates (:data:`SCHEDULE_VARIANTS`): the lowering schedules a region with
-  each and keeps the stream with the shortest makespan.
+  each and keeps the stream with the shortest makespan. They differ in the deep-prefetch policy, in whether a
+  group's first constants load early, and in the tiles of layers whose weight traffic outlasts their compute
+  (:data:`STREAMED_TILE_FRACTION`).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from simulator.config import NpuConfig
 from simulator.opcodes import opcode_def
 
 from .allocate import SramBuffer, align_up, allocate
-from .prefetch import PREFETCH_POLICIES
+from .prefetch import PREFETCH_POLICIES, dma_cycles
 from .programs import MacProgram, MeanProgram, Operand, PoolProgram, Window, channel_tile, tiles
 from .steps import (ConstantsOf, Layer, Load, Schedule, ScheduleError, Slice, Step, Store, Value, constant_layout,
                     is_constant, scratch_id)
@@ -53,7 +55,14 @@ TILE_FRACTION = 4
 """A layer whose constants exceed ``sram_bytes / TILE_FRACTION`` runs in output-channel tiles ..."""
 
 TILE_BUDGET_FRACTION = 6
-"""... each tile's constants at most ``sram_bytes / TILE_BUDGET_FRACTION``, so two fit while one computes."""
+"""... each tile's constants at most ``sram_bytes / TILE_BUDGET_FRACTION``, so two fit while one computes ..."""
+
+STREAMED_TILE_FRACTION = 12
+"""... or ``sram_bytes / STREAMED_TILE_FRACTION`` for a layer whose constants take the DMA engine longer to move
+than the layer takes to compute (a fully connected layer at batch 1, a 1x1 convolution on a small map). Such a
+layer runs at the DMA's pace whatever its tiles, so smaller ones cost only a DMA latency each and gain twice:
+more of them fit the SRAM left free by earlier layers (deep prefetch), and the compute left after the last
+load (the region's tail) is a smaller tile's."""
 
 MIN_STRIPE_ROWS = 8
 """Stripes are halved down to this many rows before a map is spilled to make room (shorter stripes
@@ -105,6 +114,9 @@ class ScheduleOptions:
     early_constants: bool = False
     """A group's first steps load their constants a step early even when their input rows must wait for a
     store (more overlap, more SRAM held)."""
+    streamed_tiles: bool = False
+    """Layers whose constants take longer to move than to compute run in smaller channel tiles
+    (:data:`STREAMED_TILE_FRACTION`)."""
 
 
 class RegionScheduler:
@@ -128,7 +140,10 @@ class RegionScheduler:
             if program is not None and program.splits_channels:
                 const = sum(len(c.data) for c in program.constants)
                 if const > sram // TILE_FRACTION:
-                    ct = channel_tile(program, sram // TILE_BUDGET_FRACTION, self.config.mac_rows)
+                    streamed = (self.options.streamed_tiles
+                                and dma_cycles(self.config, const, 1) > self._compute_estimate(layer))
+                    budget = sram // (STREAMED_TILE_FRACTION if streamed else TILE_BUDGET_FRACTION)
+                    ct = channel_tile(program, budget, self.config.mac_rows)
                     if ct < program.out.channels:
                         tile[layer.index] = ct
         return Strategy(tile)
@@ -575,5 +590,5 @@ class RegionScheduler:
             self.steps[-1].stores.append(Store(whole.sram, whole.offset, v.dram, 0, v.nbytes))
 
 SCHEDULE_VARIANTS = (ScheduleOptions("repack"), ScheduleOptions("above"), ScheduleOptions("repack", True),
-                     ScheduleOptions("above", True))
+                     ScheduleOptions("above", True), ScheduleOptions("above", streamed_tiles=True))
 """The variants :func:`npu_backend.codegen.graph.lower_graph` tries, in order (the first wins a tie)."""
