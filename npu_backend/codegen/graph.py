@@ -139,14 +139,16 @@ def _stream(sb: StreamBuilder, config: NpuConfig, name: str) -> CommandStream:
                          commands=dependencies(sb.commands, config))
 
 
-def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: bool = True) -> CommandStream:
+def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: bool = True,
+                variants: tuple[ScheduleOptions, ...] = SCHEDULE_VARIANTS) -> CommandStream:
     """The region's command stream, with the dependencies its SRAM addresses imply: through the scheduler
-    with each of ``SCHEDULE_VARIANTS`` (variants that differ only in prefetch share their plan), keeping the
+    with each of ``variants`` (variants that differ only in prefetch share their plan), keeping the
     one with the shortest makespan (the earlier one on a tie), or layer by layer through DRAM when the
-    scheduler cannot fit the region (or ``scheduled`` is False)."""
+    scheduler cannot fit the region (or ``scheduled`` is False). Every variant computes the same values; a
+    caller that needs only those (calibration) passes one variant and skips the others and their timing."""
     best, schedulers = None, {}
     values, layers = _scheduler_inputs(graph, config, _region_buffers(StreamBuilder(config), graph))
-    for options in SCHEDULE_VARIANTS if scheduled else ():
+    for options in variants if scheduled else ():
         planned = dataclasses.replace(options, prefetch=SCHEDULE_VARIANTS[0].prefetch)
         scheduler = schedulers.setdefault(planned, RegionScheduler(config, values, layers, options))
         scheduler.options = options
@@ -158,6 +160,8 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
         _region_buffers(sb, graph)  # the same buffer indices as the values were given
         emit_schedule(sb, plan, values)
         stream = _stream(sb, config, name)
+        if len(variants) == 1:
+            return stream
         cycles = max((slot.end for slot in schedule(stream, config)), default=0)
         if best is None or cycles < best[0]:
             best = (cycles, stream)

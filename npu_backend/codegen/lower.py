@@ -60,10 +60,11 @@ def region_graph(func: relax.Function, symbol: str) -> RegionGraph:
     return RegionGraph(tuple(tensors[p] for p in func.params), tuple(tensors[v] for v in outputs), tuple(layers))
 
 
-def lower_region(func: relax.Function, symbol: str) -> CommandStream:
-    """Turn a merged NPU region into a command stream for the hardware it was partitioned for."""
+def lower_region(func: relax.Function, symbol: str, **options) -> CommandStream:
+    """Turn a merged NPU region into a command stream for the hardware it was partitioned for (``options``:
+    :func:`lower_graph`'s, e.g. ``variants``)."""
     config = NpuConfig.from_json(str(func.attrs[CONFIG_ATTR]))
-    return lower_graph(region_graph(func, symbol), config, symbol)
+    return lower_graph(region_graph(func, symbol), config, symbol, **options)
 
 
 def npu_regions(mod: tvm.IRModule) -> dict[str, relax.Function]:
@@ -73,6 +74,7 @@ def npu_regions(mod: tvm.IRModule) -> dict[str, relax.Function]:
             and func.attrs.get("Codegen") == "npu"}
 
 
-def lower_module(mod: tvm.IRModule) -> dict[str, CommandStream]:
-    """Command streams of every NPU region of a partitioned module (for ``npu compile``)."""
-    return {symbol: lower_region(func, symbol) for symbol, func in npu_regions(mod).items()}
+def lower_module(mod: tvm.IRModule, **options) -> dict[str, CommandStream]:
+    """Command streams of every NPU region of a partitioned module (for ``npu compile``; ``options``:
+    :func:`lower_graph`'s)."""
+    return {symbol: lower_region(func, symbol, **options) for symbol, func in npu_regions(mod).items()}
