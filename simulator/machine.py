@@ -40,10 +40,10 @@ class CommandStats:
     start: int = 0
     """Cycle at which the command starts in the schedule (:mod:`simulator.timeline`); it ends at start + cycles."""
     deps: tuple[int, ...] = ()
-    fixed_cycles: int = 0
-    """The part of ``cycles`` paid whatever the command's size (:attr:`simulator.cycles.CommandCost.fixed_cycles`)."""
     """The commands it waited for besides its engine's previous one (:func:`simulator.hazards.waits_for`: its
     ``deps``, or the previous command in a stream without dependencies)."""
+    fixed_cycles: int = 0
+    """The part of ``cycles`` paid whatever the command's size (:attr:`simulator.cycles.CommandCost.fixed_cycles`)."""
 
     @property
     def end(self) -> int:
