@@ -165,6 +165,9 @@ def instrument() -> Phases:
     phases.wrap(steps.NpuLayer, "__init__", "NPU layer: emit QDQ")
     phases.wrap(steps, "run_stream_batch", "simulator: other (command loop, outputs)")
     phases.wrap(batch, "mac_output", "simulator: MAC commands (batched)")
+    phases.wrap(batch, "_constant_mac", "simulator: MAC commands (batched)")
+    phases.wrap(batch, "_table_elementwise", "simulator: elementwise commands (batched)")
+    phases.wrap(batch.PreparedBatch, "__init__", "simulator: prepare a stream (plans, tables)")
     phases.wrap(batch.BATCHED, Opcode.DMA_COPY, "simulator: DMA commands (batched)")
     phases.wrap(batch, "_fused_dma", "simulator: DMA layout transposes (fused)")
     for opcode in (Opcode.ADD, Opcode.SUB, Opcode.MUL):

@@ -20,6 +20,12 @@ whose weights or table are not uniform runs per sample.
 Costs come from the commands alone (:mod:`simulator.cycles`), as in
 :func:`simulator.machine.run_stream`; the statistics are one run's, with each
 command's accumulator overflows summed over the batch.
+
+A stream run on many batches (calibration runs each layer's on a few) is prepared
+once (:class:`PreparedBatch`): validated, its DMA runs fused, its constant-weight
+MAC commands given their converted weights and bias-folded requantizer
+(:class:`_ConstantMac`), its elementwise commands a table of every input pair; its
+runs return the values and overflow counts without scheduling the stream.
 """
 
 from __future__ import annotations
@@ -31,10 +37,15 @@ import numpy as np
 from . import elementwise
 from .config import NpuConfig
 from .errors import ExecutionError
-from .isa import SCALE_BIAS_WORDS, BufferKind, CommandStream, DmaCopy, MemorySpace, Opcode, weight_shape
-from .kernels import MachineState, mac_output
+from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, BufferKind, CommandStream, Convolution, DmaCopy,
+                  Elementwise, MemorySpace, Opcode, weight_shape)
+from .kernels import MAC_CHUNK, MachineState, mac_output
+from .mac_plans import constant_operands
 from .machine import RunStats, run_stats
+from .macs import SumPlan, centred_input, sum_dtype
+from .numerics import Rounding, float64_requantizer
 from .opcodes import opcode_def
+from .prepared import ALL_PAIRS, ELEMENTWISE_OPCODES
 from .stream import decode_stream
 from .timeline import schedule
 from .validate import validate_stream
@@ -226,40 +237,166 @@ def _per_sample(state: _BatchState, command, config: NpuConfig) -> int:
     return sum(execute(sample, command.opcode, command.payload, config) for sample in state.samples)
 
 
+class _ConstantMac:
+    """A MAC-array command whose weights and scale/bias table are the same in every run
+    (:func:`simulator.mac_plans.constant_operands`), for a whole batch: its weights converted once
+    (:class:`simulator.macs.SumPlan`) and its ``TFLITE_DOUBLE`` int8 output stage, bias folded in, one
+    :class:`simulator.numerics.Float64Requantizer`.
+
+    Where the batch's largest ``|x - zp|`` times each channel's ``sum(|w|)`` (plus its bias) fits the accumulator
+    and the requantizer's exact range, no accumulator overflows and the float sums (exact in the type
+    :func:`simulator.macs.sum_dtype` picks from that bound) are requantized as they are: the kernel's integers
+    without its bias add, register narrowing and second pass over the sums. Anything else (another output
+    stage, a bound past those limits) returns None: the caller runs :func:`simulator.kernels.mac_output`."""
+
+    def __init__(self, opcode: Opcode, conv: Convolution, config: NpuConfig, weights: np.ndarray, table: np.ndarray):
+        self.opcode, self.conv = opcode, conv
+        self.weights = weights.view(np.int8).reshape(weight_shape(opcode, conv))
+        self.table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS).copy()
+        self.sums = SumPlan(opcode, conv, self.weights)
+        bias = self.table[:, 0].astype(np.int64)
+        bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
+        self.room = ((1 << (bits - 1)) - 1) - np.abs(bias)
+        """Per channel, how large its sums may be before bias plus sum leaves the accumulator."""
+        self.requantizer = None
+        if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.TFLITE_DOUBLE:
+            self.requantizer = float64_requantizer(self.table[:, 1], self.table[:, 2], conv.output_zero_point,
+                                                   conv.act_min, conv.act_max, bias=bias)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray | None:
+        """The int8 outputs ``[N, OH, OW, OC]`` of the inputs ``x [N, H, W, IC]``, or None (class docstring)."""
+        if self.requantizer is None or x.size == 0:
+            return None
+        zp = self.conv.input_zero_point
+        largest = max(abs(int(x.max()) - zp), abs(int(x.min()) - zp))
+        bounds = largest * self.sums.weight_bounds
+        if not (np.all(bounds <= self.room) and np.all(bounds <= self.requantizer.limits)):
+            return None
+        dtype = sum_dtype(largest * self.sums.weight_bound)  # below the requantizer's limits: a float type
+        fold = bool(np.all(bounds <= self.requantizer.folded_limits))
+        ofm = self.conv.ofm
+        out = np.empty((len(x), ofm.height, ofm.width, ofm.channels), np.int8)
+        step = max(1, MAC_CHUNK // ofm.size)
+        for start in range(0, len(x), step):
+            part = slice(start, start + step)
+            exact = self.sums.sums(centred_input(x[part], zp, self.conv.padding, dtype))
+            self.requantizer.bind(exact, out[part], fold=fold)()
+        return out
+
+
+def _constant_mac(state: _BatchState, conv: Convolution, plan: _ConstantMac) -> int | None:
+    """:func:`_mac` through the command's :class:`_ConstantMac`; None where the plan declines."""
+    ifm = conv.ifm
+    x = state.sram[:, ifm.address:ifm.address + ifm.nbytes].view(ifm.numpy_dtype).reshape(
+        state.batch, ifm.height, ifm.width, ifm.channels)
+    out = plan(x)
+    if out is None:
+        return None
+    state.sram[:, conv.ofm.address:conv.ofm.address + conv.ofm.nbytes] = out.reshape(state.batch, -1).view(np.uint8)
+    return 0
+
+
+def _table_elementwise(state: _BatchState, op: Elementwise, table: np.ndarray) -> int:
+    """An int8 ADD, SUB or MUL through the table of its result for every input pair (made once per command from
+    its own arithmetic, :func:`simulator.elementwise.compute`): each output byte is ``table[a * 256 + b]``."""
+    n = op.ofm.nbytes
+    x1 = state.sram[:, op.ifm.address:op.ifm.address + n]
+    x2 = state.sram[:, op.ifm2.address:op.ifm2.address + n]
+    out = state.sram[:, op.ofm.address:op.ofm.address + n]
+    step = max(1, ELEMENTWISE_CHUNK // n)
+    pairs = np.empty((min(step, state.batch), n), np.uint16)
+    for start in range(0, state.batch, step):
+        part = slice(start, start + step)
+        index = pairs[:len(x1[part])]
+        np.left_shift(x1[part], 8, out=index, dtype=np.uint16)
+        np.bitwise_or(index, x2[part], out=index)
+        out[part] = table[index]
+    return 0
+
+
+def _elementwise_table(opcode: Opcode, op: Elementwise) -> np.ndarray | None:
+    """The result byte of every int8 input pair (index ``first * 256 + second``); None for operands of unequal
+    sizes (which the table step cannot pair)."""
+    if op.ifm.nbytes != op.ifm2.nbytes or op.ofm.nbytes != op.ifm.nbytes or any(
+            f.dtype != ActivationType.INT8 for f in (op.ifm, op.ifm2, op.ofm)):
+        return None
+    return np.ascontiguousarray(elementwise.compute(opcode, *ALL_PAIRS, op).astype(np.int8)).view(np.uint8)
+
+
+class PreparedBatch:
+    """A stream validated once and run on many batches (:meth:`run`): what does not depend on the data is worked
+    out here, once: the DMA runs that fuse (:func:`_transpose_runs`), each constant-weight MAC command's
+    :class:`_ConstantMac`, each elementwise command's table. A caller that needs only the values (calibration)
+    skips the schedule and its statistics; :func:`run_stream_batch` adds them.
+
+    :meth:`run` keeps its memories to itself, so several threads may run one prepared batch at once."""
+
+    def __init__(self, stream: CommandStream | bytes, config: NpuConfig | None = None):
+        if not isinstance(stream, CommandStream):
+            stream = decode_stream(stream)
+        self.stream, self.config = stream, config or stream.config
+        validate_stream(stream, self.config)
+        self.runs = _transpose_runs(stream.commands)
+        self.macs = {index: _ConstantMac(stream.commands[index].opcode, stream.commands[index].payload, self.config,
+                                         *operands)
+                     for index, operands in constant_operands(stream, self.config).items()}
+        tables = {index: _elementwise_table(c.opcode, c.payload) for index, c in enumerate(stream.commands)
+                  if c.opcode in ELEMENTWISE_OPCODES}
+        self.tables = {index: table for index, table in tables.items() if table is not None}
+
+    def run(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[int]]:
+        """Outputs by name (``[N, *shape]`` each) and each command's accumulator overflows summed over the batch:
+        equal to N runs of :func:`simulator.machine.run_stream`."""
+        stream, config = self.stream, self.config
+        state = _BatchState(stream, inputs, config)
+        counts = []
+        fused_until = 0
+        for index, command in enumerate(stream.commands):
+            if index in self.runs:
+                fused_until = self.runs[index]
+                _fused_dma(state, [c.payload for c in stream.commands[index:fused_until]])
+            overflows = None
+            if index < fused_until:
+                overflows = 0
+            elif index in self.tables:
+                overflows = _table_elementwise(state, command.payload, self.tables[index])
+            else:
+                plan = self.macs.get(index)
+                if plan is not None and _uniform_operands(state, command.opcode, command.payload):
+                    overflows = _constant_mac(state, command.payload, plan)
+                if overflows is None:
+                    batched = BATCHED.get(command.opcode)
+                    overflows = batched(state, command.opcode, command.payload, config) if batched else None
+            if overflows is None:
+                overflows = _per_sample(state, command, config)
+                ofm = getattr(command.payload, "ofm", None)
+                if ofm is None:
+                    state.uniform[:] = False
+                else:
+                    state.uniform[ofm.address:ofm.address + ofm.nbytes] = False
+            elif command.opcode != Opcode.DMA_COPY:
+                ofm = command.payload.ofm
+                state.uniform[ofm.address:ofm.address + ofm.nbytes] = False
+            counts.append(int(overflows))
+        outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape((state.batch, *buf.shape)).copy()
+                   for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
+        return outputs, counts
+
+
+def _uniform_operands(state: _BatchState, opcode: Opcode, conv: Convolution) -> bool:
+    """The command's weights and scale/bias table are equal in every sample (what :func:`_mac` checks too)."""
+    return (state.is_uniform(conv.weights_address, int(np.prod(weight_shape(opcode, conv))))
+            and state.is_uniform(conv.scale_bias_address, conv.ofm.channels * SCALE_BIAS_WORDS * 4))
+
+
 def run_stream_batch(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],
                      config: NpuConfig | None = None) -> tuple[dict[str, np.ndarray], RunStats]:
     """Execute a stream on a batch of inputs: ``inputs[name]`` is ``[N, *shape]``; outputs likewise.
 
     Equal, output for output, to N calls of :func:`simulator.machine.run_stream`. The statistics are those of
-    one run (costs do not depend on the data) with each command's overflows summed over the N runs.
+    one run (costs do not depend on the data) with each command's overflows summed over the N runs. A stream run
+    on many batches is better prepared once (:class:`PreparedBatch`).
     """
-    if not isinstance(stream, CommandStream):
-        stream = decode_stream(stream)
-    config = config or stream.config
-    validate_stream(stream, config)
-    state = _BatchState(stream, inputs, config)
-    counts = []
-    runs, fused_until = _transpose_runs(stream.commands), 0
-    for index, command in enumerate(stream.commands):
-        if index in runs:
-            fused_until = runs[index]
-            _fused_dma(state, [c.payload for c in stream.commands[index:fused_until]])
-        if index < fused_until:
-            overflows = 0
-        else:
-            batched = BATCHED.get(command.opcode)
-            overflows = batched(state, command.opcode, command.payload, config) if batched else None
-        if overflows is None:
-            overflows = _per_sample(state, command, config)
-            ofm = getattr(command.payload, "ofm", None)
-            if ofm is None:
-                state.uniform[:] = False
-            else:
-                state.uniform[ofm.address:ofm.address + ofm.nbytes] = False
-        elif command.opcode != Opcode.DMA_COPY:
-            ofm = command.payload.ofm
-            state.uniform[ofm.address:ofm.address + ofm.nbytes] = False
-        counts.append(int(overflows))
-    outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape((state.batch, *buf.shape)).copy()
-               for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
-    return outputs, run_stats(stream, config, schedule(stream, config), counts)
+    prepared = PreparedBatch(stream, config)
+    outputs, counts = prepared.run(inputs)
+    return outputs, run_stats(prepared.stream, prepared.config, schedule(prepared.stream, prepared.config), counts)

@@ -26,7 +26,7 @@ from tvm import relax
 from tvm.ir.expr import Constant
 
 from simulator.config import NpuConfig
-from simulator.batch import run_stream_batch
+from simulator.batch import PreparedBatch
 from simulator.machine import run_stream
 
 from ..reference import SOURCE_ATTR
@@ -41,10 +41,10 @@ from .rewrite import (Operands, TensorQ, WeightQ, const, dequantize, dequantized
 
 NPU_BATCH = 128
 """Calibration samples one simulator call runs (memory grows with it: N copies of SRAM and of the layer's tensors)."""
-NPU_SPLIT_ELEMENTS = 1 << 20
+NPU_SPLIT_ELEMENTS = 1 << 18
 """Input values (over the whole batch) from which a layer's batch is split between the worker threads, one
-simulator call each: every call validates and decodes the stream again (milliseconds of Python, which holds the
-GIL), which only layers this large repay."""
+simulator call each: the stream is prepared once (:class:`simulator.batch.PreparedBatch`), but each call still
+walks its commands in Python (which holds the GIL), which only layers this large repay."""
 
 
 def _tensor_var(name: str, shape, dtype: str) -> relax.Var:
@@ -325,6 +325,7 @@ class NpuLayer:
     def __init__(self, layer: Layer, folded: dict, inputs: list[TensorQ], output: TensorQ, weights: WeightQ | None,
                  constants: dict, source: str, config: NpuConfig):
         from ..codegen import build_partitioned, lower_module, npu_regions
+        from ..codegen.schedule import SCHEDULE_VARIANTS
         from ..partition import partition_for_npu
         from ..report import partition_report
 
@@ -351,7 +352,7 @@ class NpuLayer:
         self.weights = weights
         self.on_npu = all(o.op in ("relax.quantize", "relax.dequantize")
                           for o in partition_report(partitioned).host_ops)
-        self.stream = None
+        self.stream = self.prepared = None
         regions = npu_regions(partitioned)
         main = partitioned["main"]
         bindings = [b for block in main.body.blocks for b in block.bindings]
@@ -359,7 +360,9 @@ class NpuLayer:
                 and isinstance(bindings[0].value.op, tvm.ir.GlobalVar)
                 and list(bindings[0].value.args) == list(main.params)):
             symbol, region = next(iter(regions.items()))
-            self.stream = lower_module(partitioned)[symbol]
+            # Calibration needs the stream's values, not its cycles: one schedule variant, validated once.
+            self.stream = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1])[symbol]
+            self.prepared = PreparedBatch(self.stream, config)
             self.names = [p.name for p in region.params]
         else:
             self.vm = relax.VirtualMachine(build_partitioned(partitioned), tvm.cpu())
@@ -367,7 +370,7 @@ class NpuLayer:
     def run_batch(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 outputs for a batch of samples (each input ``[N, *shape]``), and how many accumulators
         overflowed computing them: the stream runs on :data:`NPU_BATCH` samples at a time
-        (:func:`simulator.batch.run_stream_batch`, equal to one run per sample), a large batch split between the
+        (:class:`simulator.batch.PreparedBatch`, equal to one run per sample), a large batch split between the
         worker threads; a layer TVM builds runs per sample."""
         count = len(inputs[0])
         if self.stream is None:
@@ -378,8 +381,8 @@ class NpuLayer:
 
         def run(part: slice):
             feeds = {name: np.ascontiguousarray(x[part]) for name, x in zip(self.names, inputs)}
-            out, stats = run_stream_batch(self.stream, feeds, self.config)
-            return out["output0"], stats.total_overflows
+            out, overflows = self.prepared.run(feeds)
+            return out["output0"], sum(overflows)
 
         results = run_all(run, [slice(start, start + step) for start in range(0, count, step)])
         return np.concatenate([r[0] for r in results]), sum(r[1] for r in results)

@@ -1,0 +1,100 @@
+"""The batched runner prepared once (:class:`simulator.batch.PreparedBatch`) against one run per sample, on the
+paths it adds: a constant-weight MAC command requantized with its bias folded in (and the kernel where the
+batch's bound leaves the requantizer's exact range or overflows the accumulator), elementwise commands through a
+table of every input pair; and the one-variant lowering calibration uses, against the chosen stream."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import npu_backend
+from layer_streams import layer_stream, random_params
+from npu_backend.codegen.lower import lower_module
+from npu_backend.codegen.schedule import SCHEDULE_VARIANTS
+from npu_backend.params import NpuOp
+from simulator import get_config, run_stream
+from simulator.batch import PreparedBatch, run_stream_batch
+from simulator.isa import BufferKind, Opcode
+
+BASE = get_config("npu-256")
+
+
+def _per_sample(stream, name, batch, config=None):
+    return [run_stream(stream, {name: x}, config) for x in batch]
+
+
+@pytest.mark.parametrize("op,kwargs", [
+    (NpuOp.CONV2D, dict(ifm_shape=(1, 9, 7, 5), out_channels=12, clamp=(-3, 127))),
+    (NpuOp.CONV2D, dict(ifm_shape=(1, 6, 6, 16), out_channels=8, kernel=(1, 1), padding=(0, 0, 0, 0))),
+    (NpuOp.DEPTHWISE_CONV2D, dict(ifm_shape=(1, 10, 8, 6), strides=(2, 2)))])
+def test_a_prepared_batch_equals_one_run_per_sample_run_after_run(op, kwargs):
+    rng = np.random.default_rng(11)
+    params = random_params(rng, op, **kwargs)
+    stream = layer_stream(params, BASE)
+    prepared = PreparedBatch(stream, BASE)
+    assert prepared.macs  # the constant-weight path is the one under test
+    for seed in range(2):  # the same prepared stream, twice: nothing of one run leaks into the next
+        batch = np.random.default_rng(seed).integers(-128, 128, (3, *params.ifm_shape)).astype(np.int8)
+        outputs, overflows = prepared.run({"ifm": batch})
+        for n, (single, stats) in enumerate(_per_sample(stream, "ifm", batch, BASE)):
+            np.testing.assert_array_equal(outputs["ofm"][n], single["ofm"])
+        assert sum(overflows) == 0
+
+
+def test_the_constant_mac_declines_where_the_accumulator_can_overflow_and_the_kernel_counts_it():
+    config = dataclasses.replace(BASE, name="acc14", accumulator_bits=14)
+    rng = np.random.default_rng(12)
+    params = random_params(rng, NpuOp.CONV2D, ifm_shape=(1, 6, 6, 8), out_channels=6)
+    stream = layer_stream(params, config)
+    prepared = PreparedBatch(stream, config)
+    (index, plan), *_ = prepared.macs.items()
+    conv = stream.commands[index].payload
+    full = np.full((2, conv.ifm.height, conv.ifm.width, conv.ifm.channels), 127, np.int8)
+    assert plan(full) is None  # 14-bit accumulators cannot hold the full-scale sums
+    small = np.full_like(full, conv.input_zero_point)
+    assert plan(small) is not None  # centred zeros: every sum is 0
+    batch = np.concatenate([np.full((1, *params.ifm_shape), 127, np.int8),
+                            rng.integers(-128, 128, (2, *params.ifm_shape)).astype(np.int8)])
+    outputs, overflows = prepared.run({"ifm": batch})
+    singles = _per_sample(stream, "ifm", batch, config)
+    for n, (single, _) in enumerate(singles):
+        np.testing.assert_array_equal(outputs["ofm"][n], single["ofm"])
+    assert sum(overflows) == sum(s.total_overflows for _, s in singles) > 0
+
+
+@pytest.mark.parametrize("model", ["add_two_inputs", "sub_two_inputs", "mul_two_inputs"])
+def test_elementwise_commands_through_their_pair_table_equal_one_run_per_sample(model):
+    mod = npu_backend.load_model(f"tests/fixtures/tflite/{model}.tflite")
+    (stream,) = lower_module(npu_backend.partition_for_npu(mod)).values()
+    prepared = PreparedBatch(stream)
+    assert {stream.commands[i].opcode for i in prepared.tables} & {Opcode.ADD, Opcode.SUB, Opcode.MUL}
+    inputs = stream.buffers_of(BufferKind.INPUT)
+    rng = np.random.default_rng(13)
+    batch = {buf.name: rng.integers(-128, 128, (4, *buf.shape)).astype(buf.dtype) for _, buf in inputs}
+    batch[inputs[0][1].name][0] = -128  # the corners of the table
+    batch[inputs[1][1].name][0] = 127
+    outputs, stats = run_stream_batch(stream, batch)
+    for n in range(4):
+        single, single_stats = run_stream(stream, {name: x[n] for name, x in batch.items()})
+        for name, value in single.items():
+            np.testing.assert_array_equal(outputs[name][n], value)
+    assert [c.cycles for c in stats.commands] == [c.cycles for c in single_stats.commands]
+
+
+def test_one_schedule_variant_computes_what_the_chosen_stream_computes():
+    mod = npu_backend.load_model("tests/fixtures/tflite/mobilenet_v2_035_96.tflite")
+    partitioned = npu_backend.partition_for_npu(mod)
+    chosen = lower_module(partitioned)
+    first = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1])
+    assert chosen.keys() == first.keys()
+    rng = np.random.default_rng(14)
+    for symbol, stream in chosen.items():
+        (_, buf), = stream.buffers_of(BufferKind.INPUT)
+        batch = rng.integers(-128, 128, (2, *buf.shape)).astype(buf.dtype)
+        a, _ = PreparedBatch(stream).run({buf.name: batch})
+        b, _ = PreparedBatch(first[symbol]).run({buf.name: batch})
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
