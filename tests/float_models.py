@@ -61,3 +61,24 @@ def float_dense_chain(weights: list[np.ndarray], relu: bool = True) -> tvm.IRMod
             out = bb.emit_output(y)
         bb.emit_func_output(out)
     return bb.get()
+
+
+def float_conv_block(rng, layout: str, kernel_layout: str, groups: int, shape, out: int, k: int = 3,
+                     **conv_args) -> tvm.IRModule:
+    """One conv2d (any layout, grouping, padding, strides, dilation) + bias add + ReLU6 clip: a single weighted
+    layer as the calibration's float kernels see it. The weight is drawn from ``rng`` first, then the bias."""
+    channels = shape[1] if layout == "NCHW" else shape[-1]
+    o_i = {"O": out, "I": channels // groups, "H": k, "W": k}
+    weight = rng.normal(0, 0.3, [o_i[a] for a in kernel_layout]).astype(np.float32)
+    bias_shape = (1, out, 1, 1) if layout == "NCHW" else (out,)
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.conv2d(x, relax.const(weight), groups=groups, data_layout=layout,
+                                           kernel_layout=kernel_layout, **conv_args))
+            y = bb.emit(relax.op.add(y, relax.const(rng.normal(0, 0.1, bias_shape).astype(np.float32))))
+            y = bb.emit(relax.op.clip(y, 0, 6))
+            result = bb.emit_output(y)
+        bb.emit_func_output(result)
+    return bb.get()

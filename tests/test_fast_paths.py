@@ -9,7 +9,6 @@ import dataclasses
 import numpy as np
 import pytest
 import tvm
-from tvm import relax
 
 import reference_kernels as ref
 from layer_streams import layer_stream, random_params
@@ -222,26 +221,14 @@ def test_weights_that_differ_between_samples_run_sample_by_sample():
     ("NHWC", "HWIO", 1, dict(strides=[1, 1], padding=[1, 1, 1, 1], dilation=[2, 2])),
     ("NHWC", "HWOI", 6, dict(strides=[2, 2], padding=[1, 1, 1, 1]))])
 def test_numpy_float_layers_agree_with_tvm(layout, kernel_layout, groups, kwargs):
+    from float_models import float_conv_block
     from npu_backend.quantization.layers import cut_layers
     from npu_backend.quantization.steps import FloatLayers
 
     rng = np.random.default_rng(8)
     channels, out = 6, 12 if groups > 1 else 10
     in_shape = (1, channels, 9, 8) if layout == "NCHW" else (1, 9, 8, channels)
-    o_i = {"O": out, "I": channels // groups, "H": 3, "W": 3}
-    weight = rng.normal(0, 0.3, [o_i[a] for a in kernel_layout]).astype(np.float32)
-    bias_shape = (1, out, 1, 1) if layout == "NCHW" else (out,)
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(in_shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, relax.const(weight), groups=groups, data_layout=layout,
-                                           kernel_layout=kernel_layout, **kwargs))
-            y = bb.emit(relax.op.add(y, relax.const(rng.normal(0, 0.1, bias_shape).astype(np.float32))))
-            y = bb.emit(relax.op.clip(y, 0, 6))
-            result = bb.emit_output(y)
-        bb.emit_func_output(result)
-    layer = cut_layers(bb.get()["main"])[0][0]
+    layer = cut_layers(float_conv_block(rng, layout, kernel_layout, groups, in_shape, out, **kwargs)["main"])[0][0]
     floats = FloatLayers([layer], {})
     assert floats.plans[layer.index] is not None
     samples = rng.normal(0, 1, (3, *in_shape)).astype(np.float32)

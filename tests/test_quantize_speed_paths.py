@@ -16,7 +16,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from float_models import float_cnn
+from float_models import float_cnn, float_conv_block
 from npu_backend import NpuError, QConfig
 from npu_backend.quantization import batched_float, calibrate, observers, parallel, steps
 from npu_backend.quantization.layers import cut_layers
@@ -95,22 +95,7 @@ def test_a_bad_sample_stops_update_each_where_separate_updates_stop():
 # --- float layers: chunks on threads, fused bias and clamp ----------------------------------------------------------
 
 def _conv_layer(layout, kernel_layout, groups, shape, out, **kwargs):
-    channels = shape[1] if layout == "NCHW" else shape[-1]
-    o_i = {"O": out, "I": channels // groups, "H": kwargs.pop("k", 3), "W": 3}
-    o_i["W"] = o_i["H"]
-    weight = RNG.normal(0, 0.3, [o_i[a] for a in kernel_layout]).astype(np.float32)
-    bias_shape = (1, out, 1, 1) if layout == "NCHW" else (out,)
-    bb = relax.BlockBuilder()
-    x = relax.Var("x", relax.TensorType(shape, "float32"))
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.nn.conv2d(x, relax.const(weight), groups=groups, data_layout=layout,
-                                           kernel_layout=kernel_layout, **kwargs))
-            y = bb.emit(relax.op.add(y, relax.const(RNG.normal(0, 0.1, bias_shape).astype(np.float32))))
-            y = bb.emit(relax.op.clip(y, 0, 6))
-            result = bb.emit_output(y)
-        bb.emit_func_output(result)
-    (layer,), folded = cut_layers(bb.get()["main"])
+    (layer,), folded = cut_layers(float_conv_block(RNG, layout, kernel_layout, groups, shape, out, **kwargs)["main"])
     return layer, folded
 
 
