@@ -40,12 +40,12 @@ from .errors import ExecutionError
 from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, BufferKind, CommandStream, Convolution, DmaCopy,
                   Elementwise, MemorySpace, Opcode, weight_shape)
 from .kernels import MAC_CHUNK, MachineState, mac_output
-from .mac_plans import constant_operands
+from .mac_plans import constant_operands, exact_float_path
 from .machine import RunStats, run_stats
 from .macs import SumPlan, centred_input, sum_dtype
 from .numerics import Rounding, float64_requantizer
 from .opcodes import opcode_def
-from .prepared import ALL_PAIRS, ELEMENTWISE_OPCODES
+from .prepared import ELEMENTWISE_OPCODES, pair_table
 from .stream import decode_stream
 from .timeline import schedule
 from .validate import validate_stream
@@ -254,10 +254,9 @@ class _ConstantMac:
         self.weights = weights.view(np.int8).reshape(weight_shape(opcode, conv))
         self.table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS).copy()
         self.sums = SumPlan(opcode, conv, self.weights)
-        bias = self.table[:, 0].astype(np.int64)
+        self.bias = bias = self.table[:, 0].astype(np.int64)
         bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
-        self.room = ((1 << (bits - 1)) - 1) - np.abs(bias)
-        """Per channel, how large its sums may be before bias plus sum leaves the accumulator."""
+        self.register_max = (1 << (bits - 1)) - 1
         self.requantizer = None
         if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.TFLITE_DOUBLE:
             self.requantizer = float64_requantizer(self.table[:, 1], self.table[:, 2], conv.output_zero_point,
@@ -269,11 +268,11 @@ class _ConstantMac:
             return None
         zp = self.conv.input_zero_point
         largest = max(abs(int(x.max()) - zp), abs(int(x.min()) - zp))
-        bounds = largest * self.sums.weight_bounds
-        if not (np.all(bounds <= self.room) and np.all(bounds <= self.requantizer.limits)):
+        exact, fold = exact_float_path(largest * self.sums.weight_bounds, self.bias, self.register_max,
+                                       self.requantizer)
+        if not exact:
             return None
         dtype = sum_dtype(largest * self.sums.weight_bound)  # below the requantizer's limits: a float type
-        fold = bool(np.all(bounds <= self.requantizer.folded_limits))
         ofm = self.conv.ofm
         out = np.empty((len(x), ofm.height, ofm.width, ofm.channels), np.int8)
         step = max(1, MAC_CHUNK // ofm.size)
@@ -320,7 +319,7 @@ def _elementwise_table(opcode: Opcode, op: Elementwise) -> np.ndarray | None:
     if op.ifm.nbytes != op.ifm2.nbytes or op.ofm.nbytes != op.ifm.nbytes or any(
             f.dtype != ActivationType.INT8 for f in (op.ifm, op.ifm2, op.ofm)):
         return None
-    return np.ascontiguousarray(elementwise.compute(opcode, *ALL_PAIRS, op).astype(np.int8)).view(np.uint8)
+    return pair_table(opcode, op)
 
 
 class PreparedBatch:

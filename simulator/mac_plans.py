@@ -79,6 +79,18 @@ def constant_operands(stream: CommandStream, config: NpuConfig) -> dict[int, tup
     return found
 
 
+def exact_float_path(channel_bounds: np.ndarray, bias: np.ndarray, register_max: int,
+                     requantizer) -> tuple[bool, bool]:
+    """(exact, fold) for sums bounded per channel by ``channel_bounds``: exact when no channel can overflow the
+    accumulator (bound plus its bias within ``register_max``) and each bound is within its float64
+    requantizer's exact range, so the float sums are requantized as they are; fold when, besides, the int8
+    output's offset may go into the requantizer's constant (:meth:`Float64Requantizer.bind`'s ``fold``)."""
+    if requantizer is None or not (np.all(channel_bounds + np.abs(bias) <= register_max)
+                                   and np.all(channel_bounds <= requantizer.limits)):
+        return False, False
+    return True, bool(np.all(channel_bounds <= requantizer.folded_limits))
+
+
 class MacPlan:
     """A MAC-array command with constant weights and table: :func:`simulator.kernels.mac_output` on one sample,
     its bounds, conversions and views of the stream's memories made once.
@@ -141,12 +153,11 @@ class MacPlan:
         channel_bounds = self.input_bound * self.sums.weight_bounds
         self.never_overflows = bool(np.all(channel_bounds + np.abs(self.bias) <= self.register_max))
         """No input can overflow the accumulator: each channel's static bound plus its bias fits the register."""
-        self.always_exact = bool(self.static_dtype is not None and self.never_overflows
-                                 and self.requantizer is not None and np.all(channel_bounds <= self.requantizer.limits))
+        exact, fold = exact_float_path(channel_bounds, self.bias, self.register_max, self.requantizer)
+        self.always_exact = self.static_dtype is not None and exact
         """...and each channel's static bound is within its float64 requantizer limit: the step is centre, sums,
         requantize, with no check at run time."""
-        self.offset_exact = bool(self.always_exact and conv.ofm.dtype == ActivationType.INT8
-                                 and np.all(channel_bounds <= self.requantizer.folded_limits))
+        self.offset_exact = self.always_exact and fold
         """...and still with the int8 output's offset in the constant (:meth:`Float64Requantizer.bind`'s ``fold``)."""
         self.folds = bool(self.always_exact and conv.kernel == (1, 1) and conv.stride == (1, 1)
                           and opcode != Opcode.DEPTHWISE_CONV2D and conv.ifm.channels <= FOLD_MAX_CHANNELS)

@@ -111,6 +111,12 @@ ALL_PAIRS = (np.repeat(np.arange(256, dtype=np.uint8), 256).view(np.int8),
 """Every (first, second) int8 input pair, the first operand's byte major: index ``first_byte * 256 + second_byte``."""
 
 
+def pair_table(opcode: Opcode, op: Elementwise) -> np.ndarray:
+    """The result byte of every int8 input pair (:data:`ALL_PAIRS` order), by the command's own arithmetic
+    (:func:`elementwise.compute`)."""
+    return np.ascontiguousarray(elementwise.compute(opcode, *ALL_PAIRS, op).astype(np.int8)).view(np.uint8)
+
+
 class _ElementwiseStep(_LazyStep):
     def prepare(self):
         opcode, op = self.command.opcode, self.command.payload
@@ -257,8 +263,7 @@ class PreparedStream:
         key = _arithmetic_key(opcode, op)
         table = self._tables.get(key)
         if table is None:
-            table = self._tables[key] = np.ascontiguousarray(
-                elementwise.compute(opcode, *ALL_PAIRS, op).astype(np.int8)).view(np.uint8)
+            table = self._tables[key] = pair_table(opcode, op)
             self.add_prepared_bytes(table.nbytes)
         return table
 
