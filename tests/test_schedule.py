@@ -292,3 +292,18 @@ def test_a_layer_bound_by_its_weight_traffic_streams_smaller_channel_tiles():
     assert weights > NPU_256.sram_bytes // 4
     conv_tiles = tile_channels(conv, True)
     assert conv_tiles == tile_channels(conv, False) and max(conv_tiles) == 64 and sum(conv_tiles) >= 256
+
+
+def test_a_lone_layer_is_cut_into_stripes_only_when_the_dma_they_hide_outweighs_their_fixed_costs():
+    """A 1x1 convolution reading and writing its maps in DRAM (12x12x96 -> 12x12x16, 16 KiB moved). On npu-256
+    four stripes hide about 1,500 DMA cycles for 3 x 32 cycles of issue and 6 DMA latencies, so it is cut. On
+    scalesim-16x16 the same bytes move in 1,008 cycles with no latency (756 of them hidden by four stripes),
+    while each extra stripe refills the array for each of the layer's 6 folds (3 x 6 x 46 = 828 cycles): it
+    runs whole."""
+    rng = np.random.default_rng(13)
+    graph = _chain(rng, [(NpuOp.CONV2D, dict(out_channels=16, kernel=(1, 1), padding=(0, 0, 0, 0)))], (1, 12, 12, 96))
+    counts = {}
+    for preset in ("npu-256", "scalesim-16x16"):
+        stream, _ = _run_both(graph, get_config(preset))
+        counts[preset] = [c.payload.ofm.height for c in stream.commands if c.opcode == Opcode.CONV2D]
+    assert counts == {"npu-256": [3, 3, 3, 3], "scalesim-16x16": [12]}

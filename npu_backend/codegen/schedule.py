@@ -78,8 +78,9 @@ DRAM_STRIPES = 4
 moves one stripe while the compute engine works on another ..."""
 
 OVERLAP_LATENCIES = 16
-"""... when the maps it moves take at least this many DMA latencies to move (a small layer runs whole: more
-commands would cost more latency than the overlap saves)."""
+"""... when the maps it moves take at least this many DMA latencies to move, and the DMA cycles the stripes
+hide exceed what they add (each stripe's issue and per-fold fill, a latency per extra load and store): a small
+layer runs whole, as does any layer on an array whose every command refills it (``fold_fill_cycles``)."""
 
 MAX_ATTEMPTS = 400
 
@@ -224,14 +225,24 @@ class RegionScheduler:
             if dram_bytes >= OVERLAP_LATENCIES * self.config.dram_latency_cycles * self.config.dram_bytes_per_cycle:
                 # stripes let its loads and stores overlap its compute; each streams enough pixels to fill a fold
                 least = -(-2 * self.config.mac_cols // last.program.out.width)
-                return min(height, max(least, -(-height // DRAM_STRIPES)))
+                rows = min(height, max(least, -(-height // DRAM_STRIPES)))
+                count = -(-height // rows)
+                # ... when the DMA they hide outweighs what cutting adds: each stripe's fixed costs (issue,
+                # the array's fill per fold) and a latency for each extra load and store
+                hidden = dma_cycles(self.config, dram_bytes, 1) * (count - 1) // count
+                added = (sum(self._compute_estimate(last, r0, min(height, r0 + rows)) for r0 in range(0, height, rows))
+                         - self._compute_estimate(last) + 2 * (count - 1) * self.config.dram_latency_cycles)
+                if hidden > added:
+                    return rows
         return strategy.stripe.get(members[0], height)
 
-    def _compute_estimate(self, layer: Layer) -> int:
-        """Cycles of the layer as one command (the cycle model's figure; addresses do not matter)."""
+    def _compute_estimate(self, layer: Layer, first: int = 0, stop: int | None = None) -> int:
+        """Cycles of output rows ``[first, stop)`` of the layer (all of them by default) as one command (the cycle
+        model's figure; addresses do not matter)."""
         program = layer.program
-        ifms = [Operand(0, program.window(i, 0, program.out.height)) for i in range(len(program.inputs))]
-        command = program.command(layer.name, 0, program.out.height, 0, program.out.channels, ifms, 0,
+        stop = program.out.height if stop is None else stop
+        ifms = [Operand(0, program.window(i, first, stop)) for i in range(len(program.inputs))]
+        command = program.command(layer.name, first, stop, 0, program.out.channels, ifms, 0,
                                   [0] * len(program.constants))
         return opcode_def(command.opcode).cost(command.opcode, command.payload, self.config).cycles
 
