@@ -258,6 +258,10 @@ class _ConstantMac:
         bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
         self.register_max = (1 << (bits - 1)) - 1
         self.requantizer = None
+        self.tiles: dict = {}
+        """The requantizer's per-channel constants tiled to a whole block (:meth:`Float64Requantizer.bind`): one
+        numpy loop per block instead of one per pixel, which a layer of few channels pays for on every pixel.
+        Shared by the threads running one batch: an entry is never changed once made, so a race makes it twice."""
         if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.TFLITE_DOUBLE:
             self.requantizer = float64_requantizer(self.table[:, 1], self.table[:, 2], conv.output_zero_point,
                                                    conv.act_min, conv.act_max, bias=bias)
@@ -279,7 +283,7 @@ class _ConstantMac:
         for start in range(0, len(x), step):
             part = slice(start, start + step)
             exact = self.sums.sums(centred_input(x[part], zp, self.conv.padding, dtype))
-            self.requantizer.bind(exact, out[part], fold=fold)()
+            self.requantizer.bind(exact, out[part], tiles=self.tiles, fold=fold)()
         return out
 
 
@@ -328,13 +332,17 @@ class PreparedBatch:
     :class:`_ConstantMac`, each elementwise command's table. A caller that needs only the values (calibration)
     skips the schedule and its statistics; :func:`run_stream_batch` adds them.
 
-    :meth:`run` keeps its memories to itself, so several threads may run one prepared batch at once."""
+    :meth:`run` keeps its memories to itself, so several threads may run one prepared batch at once.
 
-    def __init__(self, stream: CommandStream | bytes, config: NpuConfig | None = None):
+    ``dependencies=False`` skips validating the stream's dependencies: they order the concurrent engines, and a
+    batch runs the commands in stream order, so its values do not depend on them. For a caller that has just
+    scheduled the stream (quantization's calibration), which derived them itself; the rest is validated."""
+
+    def __init__(self, stream: CommandStream | bytes, config: NpuConfig | None = None, dependencies: bool = True):
         if not isinstance(stream, CommandStream):
             stream = decode_stream(stream)
         self.stream, self.config = stream, config or stream.config
-        validate_stream(stream, self.config)
+        validate_stream(stream, self.config, dependencies)
         self.runs = _transpose_runs(stream.commands)
         self.macs = {index: _ConstantMac(stream.commands[index].opcode, stream.commands[index].payload, self.config,
                                          *operands)

@@ -18,6 +18,7 @@ import tvm
 from simulator.config import NpuConfig, resolve_config
 
 from ..errors import NpuError
+from . import buffers
 from .batched_float import one_blas_thread
 from .calibrate import Context, LayerStats, Plan, check_float_module, sqnr_db, walk
 from .config import ROUNDINGS, QConfig
@@ -167,7 +168,7 @@ class Calibrated:
         """The quantized model's outputs on ``inputs`` (any form ``calibration_data`` takes), computed layer by
         layer with the NPU's integer arithmetic: what the partitioned module returns, bit for bit."""
         samples = calibration_samples(inputs, self._ctx.func.params)
-        with one_blas_thread():
+        with one_blas_thread(), buffers.reuse():
             outputs, _, _, _ = walk(self._ctx, self._plan, samples, calibrating=False, reference=False)
         return outputs
 
@@ -186,7 +187,7 @@ def calibrate(mod: tvm.IRModule, calibration_data, config: QConfig | None = None
     source = ROUNDINGS[config.rounding]
     ctx = Context(func, layers, folded, config, _npu_config(config), source)
     float_layers, reasons = _initial_float_layers(layers, config)
-    with one_blas_thread():
+    with one_blas_thread(), buffers.reuse():
         plan, output_db, stats, records = _calibrate(ctx, float_layers, reasons, samples, progress)
         if config.fallback_budget_db is not None:
             plan, output_db, stats, records = _fallback(ctx, plan, samples, float(config.fallback_budget_db),

@@ -23,12 +23,12 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from simulator.isa import Convolution, FeatureMap, Opcode
-from simulator.macs import SUMS, centred_input
+from simulator.macs import PREPARED_SUMS
 
 from ..relax_exprs import is_call
 from .layers import Layer
 from .observers import Batches
-from . import parallel
+from . import buffers, depthwise, parallel
 from .parallel import run_all
 
 CHUNK_ELEMENTS = 1 << 20
@@ -60,7 +60,7 @@ class WeightedPlan:
     def sums(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32."""
         x, w = self._operands(x, weight)
-        out = np.empty(self._out_shape(x, w), np.float32)
+        out = buffers.empty(self._out_shape(x, w), np.float32)
         run_all(lambda part: self._sums_into(x[part], w, out[part]), chunks(len(x), x[0].size))
         return out
 
@@ -69,8 +69,8 @@ class WeightedPlan:
         each chunk finished while its sums are in cache. The output is the accumulator itself when there is no
         clamp."""
         x, w = self._operands(x, weight)
-        acc = np.empty(self._out_shape(x, w), np.float32)
-        out = acc if layer.clamp is None else np.empty_like(acc)
+        acc = buffers.empty(self._out_shape(x, w), np.float32)
+        out = acc if layer.clamp is None else buffers.empty_like(acc)
         b = _bias(layer, bias)
 
         def chunk(part):
@@ -108,10 +108,29 @@ class WeightedPlan:
             return
         if self.opcode == Opcode.DEPTHWISE_CONV2D:
             w = w[..., 0]
+            if self.channels_first and depthwise.applies(conv):
+                depthwise.depthwise_nchw_into(x, w, conv, dest)
+                return
         nhwc = np.transpose(x, (0, 1, 3, 4, 2)) if self.channels_first else x
-        padded = centred_input(nhwc, 0, conv.padding, np.float32)
-        out = SUMS[self.opcode](padded, w, conv)
-        dest[...] = np.transpose(out, (0, 1, 4, 2, 3)) if self.channels_first else out
+        operands, apply = PREPARED_SUMS[self.opcode]
+        ofm = conv.ofm
+        out = buffers.empty((*nhwc.shape[:-3], ofm.height, ofm.width, ofm.channels)) if self.channels_first else dest
+        apply(padded_input(nhwc, conv.padding), operands(w, conv, np.float32), conv, out)
+        if self.channels_first:
+            dest[...] = np.transpose(out, (0, 1, 4, 2, 3))
+
+
+def padded_input(x: np.ndarray, padding) -> np.ndarray:
+    """:func:`simulator.macs.centred_input` of float32 ``x`` with zero point 0 (the same values: zeros around
+    ``x - 0``), in a reused buffer (:mod:`.buffers`) rather than a fresh one per chunk."""
+    pt, pl, pb, pr = padding
+    *lead, h, w, c = x.shape
+    padded = buffers.empty((*lead, h + pt + pb, w + pl + pr, c), np.float32)
+    for border in (padded[..., :pt, :, :], padded[..., pt + h:, :, :], padded[..., pt:pt + h, :pl, :],
+                   padded[..., pt:pt + h, pl + w:, :]):
+        border.fill(0)
+    np.subtract(x, np.array(0, np.float32), out=padded[..., pt:pt + h, pl:pl + w, :], casting="unsafe")
+    return padded
 
 
 def plan_weighted(layer: Layer) -> WeightedPlan | None:
@@ -228,7 +247,7 @@ class Observation:
 
     def _accumulators(self, part: slice) -> np.ndarray:
         sums = self._sums.sums[part]
-        return sums if self._bias is None else sums + self._bias
+        return sums if self._bias is None else np.add(sums, self._bias, out=buffers.empty_like(sums))
 
     def accumulator_sums(self, others: tuple[int, ...]) -> list[np.ndarray]:
         """Per chunk, in order: the float64 sum of its accumulators over the axes ``others``."""
@@ -258,7 +277,7 @@ class Observation:
         parts = self._chunks
         per_batch = max(1, parallel.WORKERS)
         samples = parts[0].stop - parts[0].start
-        buffer = np.empty((min(self.shape[0], per_batch * samples), *self.shape[1:]), np.float32)
+        buffer = buffers.empty((min(self.shape[0], per_batch * samples), *self.shape[1:]), np.float32)
         for first in range(0, len(parts), per_batch):
             group = parts[first:first + per_batch]
             offset = group[0].start

@@ -11,6 +11,7 @@ of the model (:func:`simulate`): its outputs are the NPU's, bit for bit.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from .layers import Layer, Output, function_outputs, resolve
 from .observers import RangeRequest, TensorStats, activation_qparams, choose_range, quantize_weights
 from .rewrite import TensorQ, WeightQ
 from .batched_float import HostObservation
-from . import headroom, reconstruct
+from . import buffers, headroom, reconstruct
 from .parallel import run_all
 from .steps import FloatLayers, NpuLayer, ReferencePass, dequantize_host, quantize_host
 
@@ -101,10 +102,11 @@ class _Energy:
 
 
 def _energies(reference: np.ndarray, value: np.ndarray) -> tuple[float, float]:
-    reference = reference.astype(np.float64).reshape(-1)
-    signal = float(np.dot(reference, reference))
-    reference -= value.reshape(-1)
-    return signal, float(np.dot(reference, reference))
+    difference = buffers.empty(reference.size, np.float64)  # float64 copies of a sample: reused, not new pages
+    np.copyto(difference, reference.reshape(-1))
+    signal = float(np.dot(difference, difference))
+    np.subtract(difference, value.reshape(-1), out=difference)
+    return signal, float(np.dot(difference, difference))
 
 
 class Context:
@@ -289,7 +291,9 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         return hvals[var]
 
     # The float model's layers run ahead on a thread of their own: they depend on no quantization decision.
-    pending = ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs) if reference else None
+    summarize = functools.partial(_float_accumulators, ctx.config)
+    pending = (ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs, summarize) if reference
+               else None)
     for layer in ctx.layers:
         stats = LayerStats()
         weight = layer.weight
@@ -338,19 +342,43 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     return outputs, floats, layer_stats, records
 
 
-def _bias_shift(layer: Layer, float_accumulators: np.ndarray, chunks) -> np.ndarray:
+@dataclass(frozen=True)
+class FloatAccumulators:
+    """What calibration reads of a weighted layer's accumulators in the float model, taken on the reference
+    thread (:class:`.steps.ReferencePass`): their per-channel float64 sums over the calibration set (for bias
+    correction), and the accumulators themselves only where least-squares rounding fits to them. Otherwise the
+    batch-sized array is released there, and its sum is off the walk's path."""
+
+    values: np.ndarray | None
+    totals: np.ndarray | None
+    others: tuple[int, ...]
+    """The axes ``totals`` sums over: all but the channel axis."""
+    count: int
+    """Accumulators per channel."""
+
+
+def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray) -> FloatAccumulators:
+    channels = layer.weight.shape[layer.weight_axis]
+    axis = _channel_axis(accumulators, channels)
+    others = tuple(a for a in range(accumulators.ndim) if a != axis)
+    totals = None
+    if config.bias_correction and layer.bias is not None:
+        totals = np.sum(accumulators, axis=others, dtype=np.float64)
+    kept = accumulators if config.weight_rounding == "least_squares" else None
+    return FloatAccumulators(kept, totals, others, accumulators.size // channels)
+
+
+def _bias_shift(float_accumulators: FloatAccumulators, chunks) -> np.ndarray:
     """Per output channel, the mean of (float model's accumulator - quantized model's) over the calibration set:
     the systematic error of the weights' rounding and of everything upstream, which a bias can take back."""
-    channels = layer.weight.shape[layer.weight_axis]
-    axis = _channel_axis(float_accumulators, channels)
-    others = tuple(a for a in range(float_accumulators.ndim) if a != axis)
-    total = np.sum(float_accumulators, axis=others, dtype=np.float64)
-    for part in chunks.accumulator_sums(others):  # chunk by chunk, in order
+    total = float_accumulators.totals.copy()
+    for part in chunks.accumulator_sums(float_accumulators.others):  # chunk by chunk, in order
         total -= part
-    return total / (float_accumulators.size // channels)
+    return total / float_accumulators.count
+
 
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, calibrating: bool,
-                   records: list, float_accumulators: np.ndarray | None, references: np.ndarray | None) -> None:
+                   records: list, float_accumulators: FloatAccumulators | None, references: np.ndarray | None) -> None:
     if calibrating:
         _calibrate_layer(ctx, layer, plan, stats, value, records, float_accumulators, references)
     inputs_q = [plan.tensors[v] for v in layer.inputs]
@@ -368,7 +396,7 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
 
 
 def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, records: list,
-                     float_accumulators: np.ndarray | None, references: np.ndarray | None) -> None:
+                     float_accumulators: FloatAccumulators | None, references: np.ndarray | None) -> None:
     """Quantize the layer's weights and constants, observe it on its quantized inputs, correct its bias, fit its
     accumulator and choose its output qparams (from the float model's ``references`` for the
     :data:`FLOAT_MODEL_METHODS`): every decision about it, into ``plan``."""
@@ -380,8 +408,8 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
     problem = None  # least-squares weight rounding (reconstruct.py), applied to every choice of weight scales
     if wq is not None and config.weight_rounding == "least_squares" and ctx.float.plans[layer.index] is not None:
-        problem = reconstruct.build(ctx.float.plans[layer.index], dq_inputs[0], float_accumulators, layer.weight,
-                                    layer.bias, config.bias_correction and layer.bias is not None)
+        problem = reconstruct.build(ctx.float.plans[layer.index], dq_inputs[0], float_accumulators.values,
+                                    layer.weight, layer.bias, config.bias_correction and layer.bias is not None)
         wq = reconstruct.apply(problem, wq, config.weight_bits)
 
     memo: dict = {}
@@ -400,7 +428,7 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     chunks = observe()
     if wq is not None:
         if config.bias_correction and layer.bias is not None:
-            shift = _bias_shift(layer, float_accumulators, chunks)
+            shift = _bias_shift(float_accumulators, chunks)
             corrected = _int32(wq.bias + shift / np.broadcast_to(wq.bias_scales, shift.shape).astype(np.float64))
             wq = WeightQ(wq.weight, wq.scales, wq.axis, corrected, wq.bias_scales)
             chunks = observe()

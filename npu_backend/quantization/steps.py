@@ -31,7 +31,7 @@ from simulator.machine import run_stream
 
 from ..reference import SOURCE_ATTR
 from ..relax_exprs import is_call
-from . import parallel
+from . import buffers, parallel
 from .batched_float import CHUNK_ELEMENTS, LayerSums, chunks, plan_weighted
 from .layers import Layer, resolve
 from .parallel import run_all
@@ -170,7 +170,7 @@ class ElementwiseLayer:
             else:
                 args.append(np.asarray(constants[k], np.float32))
                 batched.append(False)
-        out = np.empty(np.broadcast_shapes(*(a.shape for a in args)), np.float32)
+        out = buffers.empty(np.broadcast_shapes(*(a.shape for a in args)), np.float32)
 
         def chunk(part: slice) -> None:
             self.ufunc(*(a[part] if b else a for a, b in zip(args, batched)), out=out[part])
@@ -207,14 +207,16 @@ class ReferencePass:
     ahead of the calibration walk that takes them (:meth:`take`): the float model does not depend on any
     quantization decision, so its matrix multiplies run while the walk builds and simulates NPU layers.
 
-    Each layer's inputs are released after their last use, as the walk releases its own.
+    Each layer's inputs are released after their last use, as the walk releases its own. ``summarize(layer,
+    accumulators)``, if given, replaces a weighted layer's accumulators in what :meth:`take` returns: what the walk
+    reads of them, computed here, beside it, so that the batch-sized array can be released at once.
     """
 
     LOOKAHEAD = 1
 
-    def __init__(self, floats: FloatLayers, layers: list[Layer], values: dict, last_use: dict, keep):
+    def __init__(self, floats: FloatLayers, layers: list[Layer], values: dict, last_use: dict, keep, summarize=None):
         floats.vm  # compiled here: TVM's BlockBuilder keeps one stack for all threads, the walk's NPU layers use it
-        self._state = _ReferenceState(floats, layers, dict(values), last_use, set(keep))
+        self._state = _ReferenceState(floats, layers, dict(values), last_use, set(keep), summarize)
         parallel.spawn(self._state.run, "npu-quantize-reference")
 
     def take(self, layer: Layer):
@@ -226,8 +228,9 @@ class ReferencePass:
 
 
 class _ReferenceState:
-    def __init__(self, floats, layers, values, last_use, keep):
+    def __init__(self, floats, layers, values, last_use, keep, summarize):
         self.floats, self.layers, self.values, self.last_use, self.keep = floats, layers, values, last_use, keep
+        self.summarize = summarize
         self.results: dict = {}
         self.taken = -1
         self.error = None
@@ -244,6 +247,8 @@ class _ReferenceState:
                 result = self.floats.run_batch(layer, [self.values[v] for v in layer.inputs], layer.weight,
                                                layer.bias, list(layer.constants.values()))
                 self.values[layer.output] = result[1]
+                if self.summarize is not None and result[0] is not None:
+                    result = (self.summarize(layer, result[0]), result[1])
                 for v in layer.inputs:
                     if self.last_use.get(v) == layer.index and v not in self.keep:
                         self.values.pop(v, None)
@@ -285,7 +290,7 @@ def quantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
     """TVM's host ``quantize``: ``clip(round_half_even(x / scale) + zp)`` in float32 (elementwise: any split
     of the values gives the same)."""
     x = np.asarray(x)
-    flat, out = x.reshape(-1), np.empty(x.shape, np.int8)
+    flat, out = x.reshape(-1), buffers.empty(x.shape, np.int8)
     values = out.reshape(-1)
 
     def span(part: slice) -> None:
@@ -306,7 +311,7 @@ def quantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
 def dequantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
     """TVM's host ``dequantize``: ``(x - zp) * scale`` in float32 (``x - zp`` is exact in float32 for int8)."""
     x = np.asarray(x)
-    flat, out = x.reshape(-1), np.empty(x.shape, np.float32)
+    flat, out = x.reshape(-1), buffers.empty(x.shape, np.float32)
     values = out.reshape(-1)
 
     def span(part: slice) -> None:
@@ -360,9 +365,10 @@ class NpuLayer:
                 and isinstance(bindings[0].value.op, tvm.ir.GlobalVar)
                 and list(bindings[0].value.args) == list(main.params)):
             symbol, region = next(iter(regions.items()))
-            # Calibration needs the stream's values, not its cycles: one schedule variant, validated once.
+            # Calibration needs the stream's values, not its cycles: one schedule variant, validated once, less the
+            # dependencies the scheduler has just derived (the batch runs in stream order: values do not need them).
             self.stream = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1])[symbol]
-            self.prepared = PreparedBatch(self.stream, config)
+            self.prepared = PreparedBatch(self.stream, config, dependencies=False)
             self.names = [p.name for p in region.params]
         else:
             self.vm = relax.VirtualMachine(build_partitioned(partitioned), tvm.cpu())
@@ -384,8 +390,12 @@ class NpuLayer:
             out, overflows = self.prepared.run(feeds)
             return out["output0"], sum(overflows)
 
-        results = run_all(run, [slice(start, start + step) for start in range(0, count, step)])
-        return np.concatenate([r[0] for r in results]), sum(r[1] for r in results)
+        parts = [slice(start, start + step) for start in range(0, count, step)]
+        results = run_all(run, parts)
+        out = buffers.empty((count, *results[0][0].shape[1:]), results[0][0].dtype)
+        for part, (values, _) in zip(parts, results):
+            out[part] = values
+        return out, sum(r[1] for r in results)
 
     def run(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 output for one sample, and how many accumulators overflowed computing it."""
