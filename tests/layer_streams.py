@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
 from npu_backend.codegen.emit import StreamBuilder
 from npu_backend.codegen.lower import lower_layer
 from npu_backend.params import ConvParams, NpuOp
 from simulator import BufferKind, CommandStream, Rounding, run_stream
+from simulator.isa import MemorySpace, Opcode
 
 
 def layer_stream(p, config) -> CommandStream:
@@ -84,3 +87,20 @@ def reference_layer(p: ConvParams, x: np.ndarray) -> np.ndarray:
     out = ref.conv2d(x[0].tolist(), p.weights.tolist(), *args, stride=p.strides, dilation=p.dilation,
                      padding=p.padding, depthwise=p.op == NpuOp.DEPTHWISE_CONV2D)
     return np.array(out, dtype=np.int8)[None]
+
+
+def weights_from_an_input(rng, config) -> tuple[CommandStream, int]:
+    """A fully connected layer's stream (4 x 16 weights, input ``ifm`` of 2 x 16) whose weights are DMA'd from an
+    INPUT buffer ``w`` instead of its constants: not the same in every run. Returns it and that DMA's index."""
+    params = random_params(rng, NpuOp.FULLY_CONNECTED, ifm_shape=(2, 16), out_channels=4)
+    stream = layer_stream(params, config)
+    index = next(i for i, c in enumerate(stream.commands) if c.opcode == Opcode.DMA_COPY
+                 and stream.buffers[c.payload.src_buffer].kind == BufferKind.CONSTANT
+                 and c.payload.bytes_moved == params.weights.size)
+    dma = stream.commands[index].payload
+    buffers = [*stream.buffers, dataclasses.replace(stream.buffers[0], name="w", kind=BufferKind.INPUT, shape=(4, 16),
+                                                    dtype="int8", size=64, data=b"")]
+    moved = dataclasses.replace(dma, src_space=MemorySpace.DRAM, src_buffer=len(buffers) - 1, src_offset=0)
+    commands = list(stream.commands)
+    commands[index] = dataclasses.replace(commands[index], payload=moved)
+    return CommandStream(name="w", config=config, buffers=tuple(buffers), commands=tuple(commands)), index

@@ -11,7 +11,7 @@ import pytest
 import tvm
 
 import reference_kernels as ref
-from layer_streams import layer_stream, random_params
+from layer_streams import layer_stream, random_params, weights_from_an_input
 from npu_backend.params import NpuOp
 from simulator import get_config, run_stream
 from simulator.batch import _transpose_runs, run_stream_batch
@@ -188,23 +188,8 @@ def test_a_batched_run_equals_one_run_per_sample(config, op, kwargs):
 
 def test_weights_that_differ_between_samples_run_sample_by_sample():
     """A stream whose weights come from an input buffer: each sample's MAC command uses its own."""
-    from simulator.isa import BufferKind, CommandStream, DmaCopy, MemorySpace
-
     rng = np.random.default_rng(6)
-    params = random_params(rng, NpuOp.FULLY_CONNECTED, ifm_shape=(2, 16), out_channels=4)
-    stream = layer_stream(params, BASE)
-    weights_dma = next(i for i, c in enumerate(stream.commands) if c.opcode == Opcode.DMA_COPY
-                       and stream.buffers[c.payload.src_buffer].kind == BufferKind.CONSTANT
-                       and c.payload.bytes_moved == params.weights.size)
-    dma = stream.commands[weights_dma].payload
-    buffers = list(stream.buffers)
-    buffers.append(dataclasses.replace(stream.buffers[0], name="w", kind=BufferKind.INPUT, shape=(4, 16),
-                                       dtype="int8", size=64, data=b""))
-    moved = DmaCopy(MemorySpace.DRAM, len(buffers) - 1, 0, MemorySpace.SRAM, 0, dma.dst_offset, dma.row_bytes,
-                    dma.rows, dma.src_stride, dma.dst_stride)
-    commands = list(stream.commands)
-    commands[weights_dma] = dataclasses.replace(commands[weights_dma], payload=moved)
-    custom = CommandStream(name="w", config=BASE, buffers=tuple(buffers), commands=tuple(commands))
+    custom, _ = weights_from_an_input(rng, BASE)
     x = rng.integers(-128, 128, (3, 2, 16)).astype(np.int8)
     w = rng.integers(-127, 128, (3, 4, 16)).astype(np.int8)
     outputs, _ = run_stream_batch(custom, {"ifm": x, "w": w}, BASE)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import reference_kernels as ref
-from layer_streams import layer_stream, random_params
+from layer_streams import layer_stream, random_params, weights_from_an_input
 from npu_backend.params import ElementwiseParams, MeanParams, NpuOp, PoolParams
 from simulator import BufferKind, CommandStream, Rounding, get_config, run_stream
 from simulator.isa import Command, DmaCopy, MemorySpace, Opcode
@@ -161,25 +161,9 @@ def test_other_opcodes_run_their_kernels_in_a_prepared_stream(params, config):
     assert any(fast) == (params.op == NpuOp.MEAN and config is BASE)
 
 
-def _weights_from_an_input(rng):
-    """A fully connected stream whose weights are DMA'd from an INPUT buffer: not the same in every run."""
-    params = random_params(rng, NpuOp.FULLY_CONNECTED, ifm_shape=(2, 16), out_channels=4)
-    stream = layer_stream(params, BASE)
-    index = next(i for i, c in enumerate(stream.commands) if c.opcode == Opcode.DMA_COPY
-                 and stream.buffers[c.payload.src_buffer].kind == BufferKind.CONSTANT
-                 and c.payload.bytes_moved == params.weights.size)
-    dma = stream.commands[index].payload
-    buffers = [*stream.buffers, dataclasses.replace(stream.buffers[0], name="w", kind=BufferKind.INPUT, shape=(4, 16),
-                                                    dtype="int8", size=64, data=b"")]
-    moved = dataclasses.replace(dma, src_space=MemorySpace.DRAM, src_buffer=len(buffers) - 1, src_offset=0)
-    commands = list(stream.commands)
-    commands[index] = dataclasses.replace(commands[index], payload=moved)
-    return CommandStream(name="w", config=BASE, buffers=tuple(buffers), commands=tuple(commands)), index
-
-
 def test_weights_that_change_between_runs_are_never_prepared():
     rng = np.random.default_rng(16)
-    stream, dma_index = _weights_from_an_input(rng)
+    stream, dma_index = weights_from_an_input(rng, BASE)
     fc_index = next(i for i, c in enumerate(stream.commands) if c.opcode == Opcode.FULLY_CONNECTED)
     assert fc_index not in constant_operands(stream, BASE)
     original = layer_stream(random_params(np.random.default_rng(16), NpuOp.FULLY_CONNECTED, ifm_shape=(2, 16),
