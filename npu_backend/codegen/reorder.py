@@ -14,6 +14,8 @@ kept only when the makespan shrinks, so the pass never makes a stream slower.
 
 from __future__ import annotations
 
+import itertools
+
 from simulator.config import NpuConfig
 from simulator.hazards import Access, accesses, dependencies
 from simulator.isa import Command
@@ -66,13 +68,13 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
     p = len(order) - 1
     while p > 0 and trials < TRIALS:
         i = order[p]
-        before = [r for r in range(p) if timing.engines[order[r]] == Engine.COMPUTE]
-        free = ends[before[-1]] if before else 0
+        previous = next((r for r in range(p - 1, -1, -1) if timing.engines[order[r]] == Engine.COMPUTE), None)
+        free = 0 if previous is None else ends[previous]
         if timing.engines[i] == Engine.COMPUTE and starts[p] > free:
             # it waited for a dependency: a later command of its layer that is ready may run in the gap
-            later = [q for q in range(p + 1, len(order))
-                     if timing.engines[order[q]] == Engine.COMPUTE and commands[order[q]].layer == commands[i].layer]
-            for q in later[:WINDOW]:
+            later = (q for q in range(p + 1, len(order))
+                     if timing.engines[order[q]] == Engine.COMPUTE and commands[order[q]].layer == commands[i].layer)
+            for q in itertools.islice(later, WINDOW):
                 j = order[q]
                 ready = max([free] + [ends[d] for d in deps[q]])
                 if ready + timing.cycles[j] > starts[p]:
