@@ -10,7 +10,7 @@ from npu_backend.codegen.emit import StreamBuilder
 from npu_backend.codegen.lower import lower_layer
 from npu_backend.params import ConvParams, NpuOp
 from simulator import BufferKind, CommandStream, Rounding, run_stream
-from simulator.isa import MemorySpace, Opcode
+from simulator.isa import Command, Convolution, DmaCopy, FeatureMap, MemorySpace, Opcode
 
 
 def layer_stream(p, config) -> CommandStream:
@@ -104,3 +104,26 @@ def weights_from_an_input(rng, config) -> tuple[CommandStream, int]:
     commands = list(stream.commands)
     commands[index] = dataclasses.replace(commands[index], payload=moved)
     return CommandStream(name="w", config=config, buffers=tuple(buffers), commands=tuple(commands)), index
+
+
+def dma_command(buffer: int, sram: int, size: int, to_sram: bool = True) -> Command:
+    """One contiguous DMA between DRAM buffer ``buffer`` (from offset 0) and SRAM address ``sram``."""
+    dram, sram_side = (MemorySpace.DRAM, buffer, 0), (MemorySpace.SRAM, -1, sram)
+    (ss, sb, so), (ds, db, do) = (dram, sram_side) if to_sram else (sram_side, dram)
+    return Command(Opcode.DMA_COPY, DmaCopy(ss, sb, so, ds, db, do, size), "dma")
+
+
+def conv_1x1_4x4(ifm: int, weights: int, table: int, ofm: int, layer: str, channels: int = 16) -> Command:
+    """A 1x1 convolution of ``channels`` -> ``channels`` over 4x4 pixels at the given SRAM addresses (64 cycles
+    on npu-256 at 16 channels: 32 of issue + 256 outputs / 8 lanes)."""
+    return Command(Opcode.CONV2D, Convolution(
+        ifm=FeatureMap(ifm, 4, 4, channels), ofm=FeatureMap(ofm, 4, 4, channels), weights_address=weights,
+        scale_bias_address=table), layer)
+
+
+def conv_constants(channels: int = 16, count: int = 2) -> tuple[bytes, list[bytes]]:
+    """A scale/bias table (bias 0, multiplier 2**30, shift -8) and ``count`` sets of small seeded 1x1 weights."""
+    rng = np.random.default_rng(0)
+    table = np.stack([np.zeros(channels), np.full(channels, 1 << 30), np.full(channels, -8)], 1).astype("<i4")
+    return table.tobytes(), [rng.integers(-3, 4, (channels, 1, 1, channels), dtype=np.int8).tobytes()
+                             for _ in range(count)]

@@ -13,8 +13,11 @@ import numpy as np
 from npu_backend.codegen.reorder import ready_first
 from simulator import BufferKind, CommandStream, get_config, run_stream
 from simulator.hazards import dependencies
-from simulator.isa import Buffer, Command, Convolution, DmaCopy, FeatureMap, MemorySpace, Opcode
+from simulator.isa import Buffer, Command
 from simulator.timeline import schedule
+
+from layer_streams import conv_1x1_4x4, conv_constants
+from layer_streams import dma_command as _dma
 
 CONFIG = get_config("npu-256")
 CHANNELS = 16
@@ -23,28 +26,18 @@ TABLE = CHANNELS * 3 * 4
 X, W_B, T, PAD, W_A, OFM_A, OFM_B = 0, 256, 512, 4096, 2048, 1024, 3072  # SRAM addresses
 
 
-def _dma(buffer: int, sram: int, size: int, to_sram: bool = True) -> Command:
-    dram, sram_side = (MemorySpace.DRAM, buffer, 0), (MemorySpace.SRAM, -1, sram)
-    (ss, sb, so), (ds, db, do) = (dram, sram_side) if to_sram else (sram_side, dram)
-    return Command(Opcode.DMA_COPY, DmaCopy(ss, sb, so, ds, db, do, size), "dma")
-
-
 def _tile(ifm: int, weights: int, ofm: int) -> Command:
-    return Command(Opcode.CONV2D, Convolution(
-        ifm=FeatureMap(ifm, 4, 4, CHANNELS), ofm=FeatureMap(ofm, 4, 4, CHANNELS), weights_address=weights,
-        scale_bias_address=T), "tiles")
+    return conv_1x1_4x4(ifm, weights, T, ofm, "tiles", CHANNELS)
 
 
 def _buffers() -> tuple[Buffer, ...]:
-    rng = np.random.default_rng(0)
-    table = np.stack([np.zeros(CHANNELS), np.full(CHANNELS, 1 << 30), np.full(CHANNELS, -8)], 1).astype("<i4")
-    weights = [rng.integers(-3, 4, (CHANNELS, 1, 1, CHANNELS), dtype=np.int8).tobytes() for _ in range(2)]
+    table, weights = conv_constants(CHANNELS)
     return (Buffer("x", BufferKind.INPUT, FMAP, shape=(1, 4, 4, CHANNELS)),
             Buffer("ya", BufferKind.OUTPUT, FMAP, shape=(1, 4, 4, CHANNELS)),
             Buffer("yb", BufferKind.OUTPUT, FMAP, shape=(1, 4, 4, CHANNELS)),
             Buffer("wa", BufferKind.CONSTANT, WEIGHTS, data=weights[0]),
             Buffer("wb", BufferKind.CONSTANT, WEIGHTS, data=weights[1]),
-            Buffer("t", BufferKind.CONSTANT, TABLE, data=table.tobytes()),
+            Buffer("t", BufferKind.CONSTANT, TABLE, data=table),
             Buffer("pad", BufferKind.CONSTANT, 2048, data=bytes(2048)))
 
 

@@ -16,10 +16,13 @@ import pytest
 from simulator import BufferKind, CommandStream, get_config, run_stream
 from simulator.errors import StreamError
 from simulator.hazards import check_dependencies, dependencies
-from simulator.isa import (Buffer, Command, Convolution, DmaCopy, FeatureMap, MemorySpace, Opcode)
+from simulator.isa import Buffer, Command
 from simulator.opcodes import Engine
 from simulator.stream import decode_stream, encode_stream
 from simulator.timeline import schedule
+
+from layer_streams import conv_1x1_4x4, conv_constants
+from layer_streams import dma_command as _dma
 
 CONFIG = get_config("npu-256")
 PIXELS, CHANNELS = 16, 16
@@ -28,27 +31,17 @@ WEIGHT_BYTES = CHANNELS * CHANNELS  # 256
 TABLE_BYTES = CHANNELS * 3 * 4  # 192
 
 
-def _dma(buffer: int, sram: int, size: int, to_sram: bool = True) -> Command:
-    dram, sram_side = (MemorySpace.DRAM, buffer, 0), (MemorySpace.SRAM, -1, sram)
-    (ss, sb, so), (ds, db, do) = (dram, sram_side) if to_sram else (sram_side, dram)
-    return Command(Opcode.DMA_COPY, DmaCopy(ss, sb, so, ds, db, do, size), "dma")
-
-
 def _conv(ifm: int, weights: int, table: int, ofm: int, layer: str) -> Command:
-    return Command(Opcode.CONV2D, Convolution(
-        ifm=FeatureMap(ifm, 4, 4, CHANNELS), ofm=FeatureMap(ofm, 4, 4, CHANNELS), weights_address=weights,
-        scale_bias_address=table), layer)
+    return conv_1x1_4x4(ifm, weights, table, ofm, layer, CHANNELS)
 
 
 def _buffers() -> tuple[Buffer, ...]:
-    rng = np.random.default_rng(0)
-    table = np.stack([np.zeros(CHANNELS), np.full(CHANNELS, 1 << 30), np.full(CHANNELS, -8)], 1).astype("<i4")
-    weights = [rng.integers(-3, 4, (CHANNELS, 1, 1, CHANNELS), dtype=np.int8).tobytes() for _ in range(2)]
+    table, weights = conv_constants(CHANNELS)
     return (Buffer("x", BufferKind.INPUT, FMAP_BYTES, shape=(1, 4, 4, CHANNELS)),
             Buffer("y", BufferKind.OUTPUT, FMAP_BYTES, shape=(1, 4, 4, CHANNELS)),
             Buffer("w1", BufferKind.CONSTANT, WEIGHT_BYTES, data=weights[0]),
             Buffer("w2", BufferKind.CONSTANT, WEIGHT_BYTES, data=weights[1]),
-            Buffer("t", BufferKind.CONSTANT, TABLE_BYTES, data=table.tobytes()))
+            Buffer("t", BufferKind.CONSTANT, TABLE_BYTES, data=table))
 
 
 def two_layers() -> list[Command]:

@@ -22,12 +22,13 @@ from simulator.isa import Command
 from simulator.opcodes import Engine, opcode_def
 
 WINDOW = 16
-"""How many later compute commands of the same layer are considered for each one that waits."""
+"""How many later compute commands of the same layer, on the critical path, are considered for each one that
+waits."""
 
 TRIALS = 24
-"""Reorders timed at most per stream (each times the whole stream again). The walk starts from the end,
-where a command that waits holds back the makespan itself; earlier, the DMA engine usually sets the pace
-and a compute command run sooner gains nothing."""
+"""Reorders timed at most per stream (each times the whole stream again). Only a command on the critical path
+(ending later would end the stream later) is worth moving into an earlier gap, and the walk starts from the
+end, where such commands are."""
 
 
 def _touch(a: tuple[Access, ...], b: tuple[Access, ...]) -> bool:
@@ -42,19 +43,26 @@ class _Timing:
         self.engines = [opcode_def(c.opcode).unit.engine for c in commands]
         self.cycles = [opcode_def(c.opcode).cost(c.opcode, c.payload, config).cycles for c in commands]
 
-    def run(self, order: list[int]) -> tuple[int, list[int], list[int], list[tuple[int, ...]]]:
-        """Makespan, start and end per position, and each position's dependencies (positions)."""
+    def run(self, order: list[int]) -> tuple[int, list[int], list[int], list[tuple[int, ...]], list[bool]]:
+        """Makespan, start and end per position, each position's dependencies (positions), and whether it is
+        critical: whether ending later would end the stream later."""
         derived = dependencies([self.commands[i] for i in order], self.config)
         free: dict[Engine, int] = {}
-        starts, ends = [], []
+        last: dict[Engine, int] = {}
+        starts, ends, before = [], [], []
         for p, i in enumerate(order):
             engine = self.engines[i]
             start = max([free.get(engine, 0)] + [ends[d] for d in derived[p].deps])
             starts.append(start)
             ends.append(start + self.cycles[i])
-            free[engine] = ends[-1]
-        return max(ends, default=0), starts, ends, [c.deps for c in derived]
-
+            before.append(derived[p].deps + ((last[engine],) if engine in last else ()))
+            free[engine], last[engine] = ends[-1], p
+        span = max(ends, default=0)
+        latest = [span] * len(order)  # the latest each may end without ending the stream later
+        for p in range(len(order) - 1, -1, -1):
+            for d in before[p]:
+                latest[d] = min(latest[d], latest[p] - self.cycles[order[p]])
+        return span, starts, ends, [c.deps for c in derived], [late == end for late, end in zip(latest, ends)]
 
 def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig) -> list[Command]:
     """The commands with compute commands moved ahead of a waiting one of their layer where that shortens the
@@ -63,7 +71,7 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
     timing = _Timing(commands, config)
     touched = [accesses(c, config) for c in commands]
     order = list(range(len(commands)))
-    best, starts, ends, deps = timing.run(order)
+    best, starts, ends, deps, critical = timing.run(order)
     trials = 0
     p = len(order) - 1
     while p > 0 and trials < TRIALS:
@@ -72,8 +80,8 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
         free = 0 if previous is None else ends[previous]
         if timing.engines[i] == Engine.COMPUTE and starts[p] > free:
             # it waited for a dependency: a later command of its layer that is ready may run in the gap
-            later = (q for q in range(p + 1, len(order))
-                     if timing.engines[order[q]] == Engine.COMPUTE and commands[order[q]].layer == commands[i].layer)
+            later = (q for q in range(p + 1, len(order)) if critical[q]
+                     and timing.engines[order[q]] == Engine.COMPUTE and commands[order[q]].layer == commands[i].layer)
             for q in itertools.islice(later, WINDOW):
                 j = order[q]
                 ready = max([free] + [ends[d] for d in deps[q]])
@@ -85,8 +93,8 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
                 trials += 1
                 span, *rest = timing.run(trial)
                 if span < best:
-                    order, best, (starts, ends, deps) = trial, span, rest
-                    p += 1  # look again at the one that waited, now a place later
+                    order, best, (starts, ends, deps, critical) = trial, span, rest
+                    p += 2  # after the step back below: the one that waited, now a place later, again
                     break
         p -= 1
     return [commands[i] for i in order]
