@@ -64,6 +64,7 @@ class _Timing:
                 latest[d] = min(latest[d], latest[p] - self.cycles[order[p]])
         return span, starts, ends, [c.deps for c in derived], [late == end for late, end in zip(latest, ends)]
 
+
 def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig) -> list[Command]:
     """The commands with compute commands moved ahead of a waiting one of their layer where that shortens the
     makespan (dependencies not yet derived: the caller derives them, as for any command list)."""
@@ -77,7 +78,7 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
     while p > 0 and trials < TRIALS:
         i = order[p]
         previous = next((r for r in range(p - 1, -1, -1) if timing.engines[order[r]] == Engine.COMPUTE), None)
-        free = 0 if previous is None else ends[previous]
+        free = 0 if previous is None else ends[previous]  # when the compute engine was free for it
         if timing.engines[i] == Engine.COMPUTE and starts[p] > free:
             # it waited for a dependency: a later command of its layer that is ready may run in the gap
             later = (q for q in range(p + 1, len(order)) if critical[q]
