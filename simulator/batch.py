@@ -45,7 +45,7 @@ from .machine import RunStats, run_stats
 from .macs import SumPlan, centred_input, sum_dtype
 from .numerics import Rounding, float64_requantizer
 from .opcodes import opcode_def
-from .prepared import ELEMENTWISE_OPCODES, pair_table
+from .prepared import ELEMENTWISE_OPCODES, _arithmetic_key, pair_table
 from .stream import decode_stream
 from .timeline import schedule
 from .validate import validate_stream
@@ -118,12 +118,11 @@ def _dma(state: _BatchState, opcode: Opcode, dma: DmaCopy, config: NpuConfig) ->
 
 def _mac(state: _BatchState, opcode: Opcode, conv, config: NpuConfig):
     """A MAC-array command for every sample in one call; None when its weights differ between samples."""
+    if not _uniform_operands(state, opcode, conv):
+        return None
     shape = weight_shape(opcode, conv)
     weight_bytes = int(np.prod(shape))
     table_bytes = conv.ofm.channels * SCALE_BIAS_WORDS * 4
-    if not (state.is_uniform(conv.weights_address, weight_bytes)
-            and state.is_uniform(conv.scale_bias_address, table_bytes)):
-        return None
     sram0 = state.sram[0]
     weights = sram0[conv.weights_address:conv.weights_address + weight_bytes].view(np.int8).reshape(shape)
     table = sram0[conv.scale_bias_address:conv.scale_bias_address + table_bytes].view(np.int32).reshape(
@@ -317,13 +316,11 @@ def _table_elementwise(state: _BatchState, op: Elementwise, table: np.ndarray) -
     return 0
 
 
-def _elementwise_table(opcode: Opcode, op: Elementwise) -> np.ndarray | None:
-    """The result byte of every int8 input pair (index ``first * 256 + second``); None for operands of unequal
-    sizes (which the table step cannot pair)."""
-    if op.ifm.nbytes != op.ifm2.nbytes or op.ofm.nbytes != op.ifm.nbytes or any(
-            f.dtype != ActivationType.INT8 for f in (op.ifm, op.ifm2, op.ofm)):
-        return None
-    return pair_table(opcode, op)
+def _pairable(op: Elementwise) -> bool:
+    """Whether the table step can run the command: int8 operands and result of one size, paired element by
+    element (the table holds the result byte of every input pair, :func:`simulator.prepared.pair_table`)."""
+    return op.ifm.nbytes == op.ifm2.nbytes == op.ofm.nbytes and all(
+        f.dtype == ActivationType.INT8 for f in (op.ifm, op.ifm2, op.ofm))
 
 
 class PreparedBatch:
@@ -347,9 +344,14 @@ class PreparedBatch:
         self.macs = {index: _ConstantMac(stream.commands[index].opcode, stream.commands[index].payload, self.config,
                                          *operands)
                      for index, operands in constant_operands(stream, self.config).items()}
-        tables = {index: _elementwise_table(c.opcode, c.payload) for index, c in enumerate(stream.commands)
-                  if c.opcode in ELEMENTWISE_OPCODES}
-        self.tables = {index: table for index, table in tables.items() if table is not None}
+        shared: dict[tuple, np.ndarray] = {}  # one table per arithmetic, as PreparedStream shares them
+        self.tables = {}
+        for index, c in enumerate(stream.commands):
+            if c.opcode in ELEMENTWISE_OPCODES and _pairable(c.payload):
+                key = _arithmetic_key(c.opcode, c.payload)
+                if key not in shared:
+                    shared[key] = pair_table(c.opcode, c.payload)
+                self.tables[index] = shared[key]
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[int]]:
         """Outputs by name (``[N, *shape]`` each) and each command's accumulator overflows summed over the batch:
@@ -391,7 +393,7 @@ class PreparedBatch:
 
 
 def _uniform_operands(state: _BatchState, opcode: Opcode, conv: Convolution) -> bool:
-    """The command's weights and scale/bias table are equal in every sample (what :func:`_mac` checks too)."""
+    """The command's weights and scale/bias table are equal in every sample."""
     return (state.is_uniform(conv.weights_address, int(np.prod(weight_shape(opcode, conv))))
             and state.is_uniform(conv.scale_bias_address, conv.ofm.channels * SCALE_BIAS_WORDS * 4))
 

@@ -19,7 +19,7 @@ from .config import NpuConfig
 from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, BufferKind, Command, CommandStream,
                   Convolution, DmaCopy, MemorySpace, Opcode, weight_shape)
 from .kernels import OUTPUT_STAGES, MachineState, _rows
-from .macs import SumPlan, depthwise_input, sum_dtype
+from .macs import SumPlan, _nothing, depthwise_input, sum_dtype
 from .numerics import (Rounding, float64_requantizer, float64_scale_requantizer, largest_magnitude,
                        narrow_accumulator)
 
@@ -151,8 +151,6 @@ class MacPlan:
         self.owner = owner
         self.bound = None
         channel_bounds = self.input_bound * self.sums.weight_bounds
-        self.never_overflows = bool(np.all(channel_bounds + np.abs(self.bias) <= self.register_max))
-        """No input can overflow the accumulator: each channel's static bound plus its bias fits the register."""
         exact, fold = exact_float_path(channel_bounds, self.bias, self.register_max, self.requantizer)
         self.always_exact = self.static_dtype is not None and exact
         """...and each channel's static bound is within its float64 requantizer limit: the step is centre, sums,
@@ -280,10 +278,6 @@ class MacPlan:
 
 def _extent(part: slice, length: int) -> bool:
     return len(range(*part.indices(length))) > 0
-
-
-def _nothing() -> None:
-    pass
 
 
 def _sums_key(command: Command) -> tuple:

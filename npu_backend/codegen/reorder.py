@@ -17,9 +17,10 @@ from __future__ import annotations
 import itertools
 
 from simulator.config import NpuConfig
-from simulator.hazards import Access, accesses, dependencies
-from simulator.isa import Command
+from simulator.hazards import Access, accesses, dependencies, engine_of
+from simulator.isa import Command, CommandStream
 from simulator.opcodes import Engine, opcode_def
+from simulator.timeline import schedule
 
 WINDOW = 16
 """How many later compute commands of the same layer, on the critical path, are considered for each one that
@@ -40,28 +41,25 @@ def _touch(a: tuple[Access, ...], b: tuple[Access, ...]) -> bool:
 class _Timing:
     def __init__(self, commands: list[Command], config: NpuConfig):
         self.commands, self.config = commands, config
-        self.engines = [opcode_def(c.opcode).unit.engine for c in commands]
+        self.engines = [engine_of(c) for c in commands]
         self.cycles = [opcode_def(c.opcode).cost(c.opcode, c.payload, config).cycles for c in commands]
 
     def run(self, order: list[int]) -> tuple[int, list[int], list[int], list[tuple[int, ...]], list[bool]]:
-        """Makespan, start and end per position, each position's dependencies (positions), and whether it is
-        critical: whether ending later would end the stream later."""
+        """Makespan, start and end per position (:func:`simulator.timeline.schedule` of the commands in
+        ``order``), each position's dependencies (positions), and whether it is critical: whether ending later
+        would end the stream later."""
         derived = dependencies([self.commands[i] for i in order], self.config)
-        free: dict[Engine, int] = {}
-        last: dict[Engine, int] = {}
-        starts, ends, before = [], [], []
-        for p, i in enumerate(order):
-            engine = self.engines[i]
-            start = max([free.get(engine, 0)] + [ends[d] for d in derived[p].deps])
-            starts.append(start)
-            ends.append(start + self.cycles[i])
-            before.append(derived[p].deps + ((last[engine],) if engine in last else ()))
-            free[engine], last[engine] = ends[-1], p
+        slots = schedule(CommandStream("reorder", self.config, (), derived), self.config)
+        starts, ends = [s.start for s in slots], [s.end for s in slots]
         span = max(ends, default=0)
+        before, last = [], {}  # what each waits for: its dependencies and its engine's previous command
+        for p, slot in enumerate(slots):
+            before.append(derived[p].deps + ((last[slot.engine],) if slot.engine in last else ()))
+            last[slot.engine] = p
         latest = [span] * len(order)  # the latest each may end without ending the stream later
         for p in range(len(order) - 1, -1, -1):
             for d in before[p]:
-                latest[d] = min(latest[d], latest[p] - self.cycles[order[p]])
+                latest[d] = min(latest[d], latest[p] - (ends[p] - starts[p]))
         return span, starts, ends, [c.deps for c in derived], [late == end for late, end in zip(latest, ends)]
 
 

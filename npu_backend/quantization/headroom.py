@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from .config import CROSS_VALIDATED
 from .rewrite import TensorQ
 from .steps import dequantize_host, quantize_host
 
@@ -60,5 +61,5 @@ def widened_range(samples: np.ndarray, lo: float, hi: float, headroom, method_ra
                   qparams: Callable) -> tuple[float, float, float]:
     """The range ``[lo, hi]`` chosen from all samples, widened as ``headroom`` says (``"cross_validated"``: by
     :func:`held_out_factor`; a number ``h``: by ``1 + h``). Returns (lo, hi, the factor)."""
-    factor = held_out_factor(samples, method_range, qparams) if headroom == "cross_validated" else 1.0 + headroom
+    factor = held_out_factor(samples, method_range, qparams) if headroom == CROSS_VALIDATED else 1.0 + headroom
     return lo * factor, hi * factor, factor
