@@ -19,6 +19,7 @@ from tvm import relax
 from float_models import float_cnn, float_conv_block
 from npu_backend import NpuError, QConfig
 from npu_backend.quantization import batched_float, calibrate, observers, parallel, steps
+from npu_backend.quantization.calibrate import _float_accumulators
 from npu_backend.quantization.layers import cut_layers
 from npu_backend.quantization.observers import Batches, TensorStats
 from npu_backend.quantization.rewrite import TensorQ
@@ -104,7 +105,18 @@ LAYERS = {
     "strided NCHW (gathered taps)": ("NCHW", "OIHW", 1, (1, 3, 9, 8), 10, dict(strides=[2, 2], padding=[1, 1, 1, 1])),
     "depthwise NCHW": ("NCHW", "OIHW", 8, (1, 8, 7, 7), 8, dict(padding=[1, 1, 1, 1])),
     "NHWC": ("NHWC", "HWIO", 1, (1, 9, 8, 6), 10, dict(padding=[1, 1, 1, 1], dilation=[2, 2])),
+    "NCHW, width = channels": ("NCHW", "OIHW", 1, (1, 3, 6, 8), 8, dict(padding=[1, 1, 1, 1])),
 }
+
+
+def test_per_channel_statistics_follow_the_layout_not_the_shape():
+    # An NCHW output [1, 8, 6, 8] ends in 8 = its channel count: a guess from the shape would sum over channels.
+    layer, _ = _conv_layer(*LAYERS["NCHW, width = channels"][:5], **dict(LAYERS["NCHW, width = channels"][5]))
+    acc = RNG.normal(0, 1, (4, 1, 8, 6, 8)).astype(np.float32)
+    assert layer.batch_reduction(acc.ndim) == (0, 1, 3, 4)
+    summary = _float_accumulators(QConfig(), layer, acc)
+    assert summary.totals.tobytes() == np.sum(acc, axis=(0, 1, 3, 4), dtype=np.float64).tobytes()
+    assert summary.count == 4 * 6 * 8
 
 
 @pytest.mark.parametrize("name", LAYERS)
@@ -134,22 +146,19 @@ def test_an_observation_reads_what_the_chunks_hold(name, monkeypatch):
     plan = batched_float.plan_weighted(layer)
     x = RNG.normal(0, 1, (5, *[int(d) for d in layer.inputs[0].ty.shape.values])).astype(np.float32)
     monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", 1)  # one sample a chunk
-    sums = batched_float.LayerSums(plan, plan.sums(x, layer.weight))
+    sums = batched_float.LayerSums(layer, plan.sums(x, layer.weight))
     bias = RNG.normal(0, 0.5, layer.bias.shape).astype(np.float32)
     observed = sums.observed(layer, bias)
     acc = sums.sums + bias.reshape(layer.bias_shape)
-    axis = plan.channel_axis(acc.ndim)
+    axis = 2 if layer.bindings[0].value.attrs.data_layout == "NCHW" else acc.ndim - 1  # [N, 1, C, H, W] / [N, .., C]
     others = tuple(a for a in range(acc.ndim) if a != axis)
-    low, high = observed.accumulator_extremes(others)  # from the sums' extremes: monotone float32 addition
+    low, high = observed.accumulator_extremes()  # from the sums' extremes: monotone float32 addition
     assert low.tobytes() == acc.min(axis=others).astype(np.float64).tobytes()
     assert high.tobytes() == acc.max(axis=others).astype(np.float64).tobytes()
-    parts = observed.accumulator_sums(others)
+    parts = observed.accumulator_sums()
     assert len(parts) == 5
     for n, part in enumerate(parts):
         assert part.tobytes() == np.sum(acc[n:n + 1], axis=others, dtype=np.float64).tobytes()
-    wrong_axis = tuple(a for a in range(acc.ndim) if a != acc.ndim - 2)  # any other reduction: no shortcut
-    assert observed.accumulator_extremes(wrong_axis)[0].tobytes() == acc.min(axis=wrong_axis).astype(
-        np.float64).tobytes()
     batches = [b.copy() for b in observed.output_batches()]
     assert np.concatenate(batches).tobytes() == np.clip(acc, np.float32(0), np.float32(6)).tobytes()
 

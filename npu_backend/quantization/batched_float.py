@@ -53,10 +53,6 @@ class WeightedPlan:
     weight_order: tuple[int, ...]
     """Transpose of the layer's weight to the opcode's ``[OC, KH, KW, IC]`` (depthwise: then ``[..., 0]``)."""
 
-    def channel_axis(self, ndim: int) -> int:
-        """The output-channel axis of a batch ``[samples, *shape]`` of ``ndim`` axes (where the bias adds)."""
-        return 2 if self.channels_first and self.conv is not None else ndim - 1
-
     def sums(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
         """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32."""
         x, w = self._operands(x, weight)
@@ -213,8 +209,9 @@ class LayerSums:
     """A weighted layer's sums on its quantized inputs for one weight, and per output channel their extremes:
     what every bias tried with that weight is observed from (:meth:`observed`)."""
 
-    def __init__(self, plan: WeightedPlan, sums: np.ndarray):
-        self.plan, self.sums = plan, sums
+    def __init__(self, layer: Layer, sums: np.ndarray):
+        self.sums = sums
+        self.others = layer.batch_reduction(sums.ndim)
         self._extremes = None
 
     def observed(self, layer: Layer, bias: np.ndarray | None) -> Observation:
@@ -223,8 +220,7 @@ class LayerSums:
     def channel_extremes(self) -> tuple[np.ndarray, np.ndarray]:
         """(min, max) of the sums per output channel, float32 ``[C]`` (computed once, chunk by chunk)."""
         if self._extremes is None:
-            axis = self.plan.channel_axis(self.sums.ndim)
-            others = tuple(a for a in range(self.sums.ndim) if a != axis)
+            others = self.others
             parts = run_all(lambda part: (np.min(self.sums[part], axis=others), np.max(self.sums[part], axis=others)),
                             chunks(len(self.sums), self.sums[0].size))
             self._extremes = (np.minimum.reduce([p[0] for p in parts]), np.maximum.reduce([p[1] for p in parts]))
@@ -249,23 +245,18 @@ class Observation:
         sums = self._sums.sums[part]
         return sums if self._bias is None else np.add(sums, self._bias, out=buffers.empty_like(sums))
 
-    def accumulator_sums(self, others: tuple[int, ...]) -> list[np.ndarray]:
-        """Per chunk, in order: the float64 sum of its accumulators over the axes ``others``."""
+    def accumulator_sums(self) -> list[np.ndarray]:
+        """Per chunk, in order: the float64 sum of its accumulators per output channel."""
+        others = self._sums.others
         return run_all(lambda part: np.sum(self._accumulators(part), axis=others, dtype=np.float64), self._chunks)
 
-    def accumulator_extremes(self, others: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """(min, max) of the accumulators over the axes ``others``, float64."""
-        axis = self._sums.plan.channel_axis(self.ndim)
-        if others == tuple(a for a in range(self.ndim) if a != axis):
-            low, high = self._sums.channel_extremes()
-            if self._bias is not None:
-                bias = self._bias.reshape(-1)
-                low, high = low + bias, high + bias
-            return low.astype(np.float64), high.astype(np.float64)
-        parts = run_all(lambda part: (np.min(self._accumulators(part), axis=others),
-                                      np.max(self._accumulators(part), axis=others)), self._chunks)
-        return (np.minimum.reduce([p[0] for p in parts]).astype(np.float64),
-                np.maximum.reduce([p[1] for p in parts]).astype(np.float64))
+    def accumulator_extremes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) of the accumulators per output channel, float64: the sums' extremes plus the bias."""
+        low, high = self._sums.channel_extremes()
+        if self._bias is not None:
+            bias = self._bias.reshape(-1)
+            low, high = low + bias, high + bias
+        return low.astype(np.float64), high.astype(np.float64)
 
     def outputs(self) -> Batches:
         """The layer's outputs over the calibration set, samples in order (see :meth:`output_batches`)."""
@@ -294,15 +285,17 @@ class Observation:
 class HostObservation:
     """:class:`Observation` of a layer TVM computes: its accumulators and outputs, one chunk of every sample."""
 
-    def __init__(self, accumulators: np.ndarray | None, outputs: np.ndarray):
+    def __init__(self, layer: Layer, accumulators: np.ndarray | None, outputs: np.ndarray):
         self._acc, self._out = accumulators, outputs
         if accumulators is not None:
             self.shape, self.ndim = accumulators.shape, accumulators.ndim
+            self._others = layer.batch_reduction(accumulators.ndim)
 
-    def accumulator_sums(self, others: tuple[int, ...]) -> list[np.ndarray]:
-        return [np.sum(self._acc, axis=others, dtype=np.float64)]
+    def accumulator_sums(self) -> list[np.ndarray]:
+        return [np.sum(self._acc, axis=self._others, dtype=np.float64)]
 
-    def accumulator_extremes(self, others: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    def accumulator_extremes(self) -> tuple[np.ndarray, np.ndarray]:
+        others = self._others
         return (np.min(self._acc, axis=others).astype(np.float64), np.max(self._acc, axis=others).astype(np.float64))
 
     def outputs(self) -> np.ndarray:

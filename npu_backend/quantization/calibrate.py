@@ -237,15 +237,8 @@ def _accumulator_peaks(layer: Layer, chunks, input_q: TensorQ, wq: WeightQ) -> n
     channels = layer.weight.shape[layer.weight_axis]
     per = np.broadcast_to((np.float32(input_q.scale) * wq.scales).astype(np.float64), (channels,))
     # |rint(v / per)| is largest at the smallest or the largest v (division by per > 0 and rint are monotone).
-    axis = _channel_axis(chunks, channels)
-    low, high = chunks.accumulator_extremes(tuple(a for a in range(chunks.ndim) if a != axis))
+    low, high = chunks.accumulator_extremes()
     return np.maximum(np.abs(np.rint(low / per)), np.abs(np.rint(high / per)))
-
-
-def _channel_axis(batch: np.ndarray, channels: int) -> int:
-    """The channel axis of a batch ``[samples, *shape]`` of accumulators: NHWC or [N, C] keep channels last,
-    NCHW has them after the sample axis and the batch of 1."""
-    return batch.ndim - 1 if batch.shape[-1] == channels else 2
 
 
 def _constants(layer: Layer) -> dict:
@@ -351,28 +344,24 @@ class FloatAccumulators:
 
     values: np.ndarray | None
     totals: np.ndarray | None
-    others: tuple[int, ...]
-    """The axes ``totals`` sums over: all but the channel axis."""
     count: int
     """Accumulators per channel."""
 
 
 def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray) -> FloatAccumulators:
     channels = layer.weight.shape[layer.weight_axis]
-    axis = _channel_axis(accumulators, channels)
-    others = tuple(a for a in range(accumulators.ndim) if a != axis)
     totals = None
     if config.bias_correction and layer.bias is not None:
-        totals = np.sum(accumulators, axis=others, dtype=np.float64)
+        totals = np.sum(accumulators, axis=layer.batch_reduction(accumulators.ndim), dtype=np.float64)
     kept = accumulators if config.weight_rounding == "least_squares" else None
-    return FloatAccumulators(kept, totals, others, accumulators.size // channels)
+    return FloatAccumulators(kept, totals, accumulators.size // channels)
 
 
 def _bias_shift(float_accumulators: FloatAccumulators, chunks) -> np.ndarray:
     """Per output channel, the mean of (float model's accumulator - quantized model's) over the calibration set:
     the systematic error of the weights' rounding and of everything upstream, which a bias can take back."""
     total = float_accumulators.totals.copy()
-    for part in chunks.accumulator_sums(float_accumulators.others):  # chunk by chunk, in order
+    for part in chunks.accumulator_sums():  # chunk by chunk, in order
         total -= part
     return total / float_accumulators.count
 
@@ -423,7 +412,7 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
             if memo.get("weight") is not wq.weight or memo.get("scales") is not wq.scales:
                 memo.update(weight=wq.weight, scales=wq.scales, sums=ctx.float.sums(layer, dq_inputs, w))
             return memo["sums"].observed(layer, b)
-        return HostObservation(*ctx.float.run_batch(layer, dq_inputs, w, b, dq_consts))
+        return HostObservation(layer, *ctx.float.run_batch(layer, dq_inputs, w, b, dq_consts))
 
     chunks = observe()
     if wq is not None:

@@ -90,6 +90,9 @@ class Layer:
     weight: np.ndarray | None = None
     weight_axis: int | None = None
     """Axis of ``weight`` that indexes output channels."""
+    output_axis: int | None = None
+    """Axis of the weighted layer's output (one sample's shape, its batch axis of 1 included) that indexes output
+    channels: from the anchor's layout, never guessed from a shape (NCHW with W == C reads alike both ways)."""
     bias: np.ndarray | None = None
     bias_shape: tuple[int, ...] = ()
     """The float bias constant's own shape ([C], or [1, C, 1, 1] as ONNX's importer broadcasts it)."""
@@ -103,6 +106,11 @@ class Layer:
     @property
     def name(self) -> str:
         return f"{self.kind.name}_{self.index}"
+
+    def batch_reduction(self, ndim: int) -> tuple[int, ...]:
+        """Every axis of a batch ``[samples, *output shape]`` (``ndim`` axes) of the weighted layer's accumulators
+        but the channel axis: what a per-channel statistic reduces over."""
+        return tuple(a for a in range(ndim) if a != 1 + self.output_axis)
 
 
 @dataclass(frozen=True)
@@ -332,8 +340,9 @@ def cut_layers(func: relax.Function) -> tuple[list[Layer], dict]:
                     layer.kind = HOST  # a matmul of two activations: nothing the MAC array's weights can hold
                 else:
                     layer.weight, layer.weight_axis = weight.astype(np.float32), _weight_axis(value)
+                    layer.output_axis = _output_axis(value)
                     channels = weight.shape[layer.weight_axis]
-                    found = _bias(graph, var, value, folded, channels, _output_axis(value))
+                    found = _bias(graph, var, value, folded, channels, layer.output_axis)
                     if found is not None:
                         layer.bias, layer.bias_shape, bias_var = found
                         members.append(bias_var)

@@ -119,7 +119,7 @@ class FloatLayers:
     def sums(self, layer: Layer, inputs: list[np.ndarray], weight: np.ndarray) -> LayerSums | None:
         """A weighted layer's anchor (before bias and clamp) on a batch ``[N, *shape]``; None if TVM runs it."""
         plan = self.plans[layer.index]
-        return None if plan is None else LayerSums(plan, plan.sums(inputs[0], weight))
+        return None if plan is None else LayerSums(layer, plan.sums(inputs[0], weight))
 
     def run_batch(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=()):
         """(accumulator or None, output) of the layer for a batch of samples (each input ``[N, *shape]``)."""
