@@ -329,17 +329,13 @@ class PreparedBatch:
     :class:`_ConstantMac`, each elementwise command's table. A caller that needs only the values (calibration)
     skips the schedule and its statistics; :func:`run_stream_batch` adds them.
 
-    :meth:`run` keeps its memories to itself, so several threads may run one prepared batch at once.
+    :meth:`run` keeps its memories to itself, so several threads may run one prepared batch at once."""
 
-    ``dependencies=False`` skips validating the stream's dependencies: they order the concurrent engines, and a
-    batch runs the commands in stream order, so its values do not depend on them. For a caller that has just
-    scheduled the stream (quantization's calibration), which derived them itself; the rest is validated."""
-
-    def __init__(self, stream: CommandStream | bytes, config: NpuConfig | None = None, dependencies: bool = True):
+    def __init__(self, stream: CommandStream | bytes, config: NpuConfig | None = None):
         if not isinstance(stream, CommandStream):
             stream = decode_stream(stream)
         self.stream, self.config = stream, config or stream.config
-        validate_stream(stream, self.config, dependencies)
+        validate_stream(stream, self.config)
         self.runs = _transpose_runs(stream.commands)
         self.macs = {index: _ConstantMac(stream.commands[index].opcode, stream.commands[index].payload, self.config,
                                          *operands)

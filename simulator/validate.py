@@ -59,10 +59,9 @@ def _check_command(stream: CommandStream, config: NpuConfig, index: int, command
     definition.validate(stream, config, command.opcode, command.payload, where)
 
 
-def validate_stream(stream: CommandStream, config: NpuConfig, dependencies: bool = True) -> None:
-    """Raise ``StreamError`` unless the stream was compiled for ``config``'s numbers and every buffer
-    and command is legal on it; ``dependencies=False`` leaves out the check that its dependencies order every
-    hazard between the engines (for a stream run in stream order, whose values do not depend on them)."""
+def validate_stream(stream: CommandStream, config: NpuConfig) -> None:
+    """Raise ``StreamError`` unless the stream was compiled for ``config``'s numbers, every buffer and command is
+    legal on it, and its dependencies order every hazard between the engines."""
     differences = stream.config.differences(config)
     if differences:
         raise StreamError(f"stream was compiled for other hardware ({stream.config.name!r}, simulator "
@@ -72,5 +71,4 @@ def validate_stream(stream: CommandStream, config: NpuConfig, dependencies: bool
     _check_buffers(stream, config)
     for index, command in enumerate(stream.commands):
         _check_command(stream, config, index, command)
-    if dependencies:
-        check_dependencies(stream, config)
+    check_dependencies(stream, config)

@@ -100,24 +100,28 @@ def test_one_schedule_variant_computes_what_the_chosen_stream_computes():
             np.testing.assert_array_equal(a[name], b[name])
 
 
-def test_without_its_dependency_check_a_stream_with_missing_dependencies_runs_in_stream_order_all_the_same():
-    # Calibration skips re-checking the dependencies the scheduler has just derived: they order the concurrent
-    # engines, which a batch run in stream order does not have. Every other check still runs.
+def test_a_serial_stream_computes_what_the_overlapped_one_computes_and_missing_dependencies_are_still_refused():
+    # Calibration lowers its streams serially (deps None: each command waits for the one before, as before format
+    # 2.4), deriving no dependencies; the values are those of the stream with them. A stream whose commands claim
+    # to wait for nothing (deps ()) while they share SRAM is refused, prepared for a batch or not.
     from simulator.errors import StreamError
+    from simulator.timeline import schedule
 
     mod = npu_backend.load_model("tests/fixtures/tflite/conv2d_3x3_s1_same.tflite")
-    (stream,) = lower_module(npu_backend.partition_for_npu(mod), variants=SCHEDULE_VARIANTS[:1]).values()
+    partitioned = npu_backend.partition_for_npu(mod)
+    (stream,) = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1]).values()
     assert any(c.deps for c in stream.commands)
-    bare = dataclasses.replace(stream, commands=tuple(dataclasses.replace(c, deps=()) for c in stream.commands))
-    with pytest.raises(StreamError, match="must depend on"):
-        PreparedBatch(bare)
+    (serial,) = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1], serial=True).values()
+    assert serial.commands == tuple(dataclasses.replace(c, deps=None) for c in stream.commands)
+    slots = schedule(serial, serial.config)  # nothing overlaps: each command starts when the one before ends
+    assert all(later.start == earlier.end for earlier, later in zip(slots, slots[1:]))
     (_, buf), = stream.buffers_of(BufferKind.INPUT)
     batch = np.random.default_rng(15).integers(-128, 128, (3, *buf.shape)).astype(buf.dtype)
     want, _ = PreparedBatch(stream).run({buf.name: batch})
-    got, _ = PreparedBatch(bare, dependencies=False).run({buf.name: batch})
+    got, _ = PreparedBatch(serial).run({buf.name: batch})
     assert want.keys() == got.keys()
     for name in want:
         np.testing.assert_array_equal(got[name], want[name])
-    other = dataclasses.replace(bare.config, name="other", sram_bytes=bare.config.sram_bytes // 2)
-    with pytest.raises(StreamError, match="other hardware"):
-        PreparedBatch(bare, other, dependencies=False)
+    bare = dataclasses.replace(stream, commands=tuple(dataclasses.replace(c, deps=()) for c in stream.commands))
+    with pytest.raises(StreamError, match="must depend on"):
+        PreparedBatch(bare)

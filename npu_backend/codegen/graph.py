@@ -135,21 +135,26 @@ def lower_scheduled(graph: RegionGraph, config: NpuConfig, options: ScheduleOpti
     return sb
 
 
-def _stream(sb: StreamBuilder, config: NpuConfig, name: str, timed: bool = True) -> CommandStream:
+def _stream(sb: StreamBuilder, config: NpuConfig, name: str, timed: bool = True, serial: bool = False
+            ) -> CommandStream:
     """The stream of the builder's commands with their dependencies; ``timed``: compute commands ready sooner
-    moved ahead where that shortens the makespan (:func:`ready_first`; the values are the same either way)."""
+    moved ahead where that shortens the makespan (:func:`ready_first`; the values are the same either way);
+    ``serial``: none derived, every command waits for the one before it (:func:`lower_graph`)."""
     commands = ready_first(sb.commands, config) if timed else sb.commands
     return CommandStream(name=name, config=config, buffers=tuple(sb.buffers),
-                         commands=dependencies(commands, config))
+                         commands=tuple(commands) if serial else dependencies(commands, config))
 
 
 def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: bool = True,
-                variants: tuple[ScheduleOptions, ...] = SCHEDULE_VARIANTS) -> CommandStream:
+                variants: tuple[ScheduleOptions, ...] = SCHEDULE_VARIANTS, serial: bool = False) -> CommandStream:
     """The region's command stream, with the dependencies its SRAM addresses imply: through the scheduler
     with each of ``variants`` (variants that differ only in prefetch share their plan), keeping the
     one with the shortest makespan (the earlier one on a tie), or layer by layer through DRAM when the
     scheduler cannot fit the region (or ``scheduled`` is False). Every variant computes the same values; a
-    caller that needs only those (calibration) passes one variant and skips the others and their timing."""
+    caller that needs only those (calibration) passes one variant and skips the others and their timing.
+    ``serial``: no dependencies are derived and every command waits for the one before it (``deps`` None, as in
+    streams before format 2.4): a valid stream with no overlap, which computes the same values, for a caller
+    that reads only those (calibration lowers a stream for every layer it tries)."""
     best, schedulers = None, {}
     values, layers = _scheduler_inputs(graph, config, _region_buffers(StreamBuilder(config), graph))
     for options in variants if scheduled else ():
@@ -164,11 +169,11 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
         _region_buffers(sb, graph)  # the same buffer indices as the values were given
         emit_schedule(sb, plan, values)
         if len(variants) == 1:
-            return _stream(sb, config, name, timed=False)
+            return _stream(sb, config, name, timed=False, serial=serial)
         stream = _stream(sb, config, name)
         cycles = max((slot.end for slot in schedule(stream, config)), default=0)
         if best is None or cycles < best[0]:
             best = (cycles, stream)
     if best is not None:
         return best[1]
-    return _stream(lower_through_dram(graph, config), config, name)
+    return _stream(lower_through_dram(graph, config), config, name, timed=not serial, serial=serial)
