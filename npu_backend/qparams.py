@@ -52,16 +52,23 @@ def infer_qparams(func: relax.Function) -> dict[relax.Var, TensorQParams]:
         known[var] = qp
         return True
 
+    # Each quantize/dequantize's constants read once (a fixed point takes several sweeps), in binding order.
+    steps = []
+    for var, call in bindings:
+        op = call.op.name
+        if op == "relax.quantize":
+            steps.append((var, per_tensor_qparams(call), None))
+        elif op == "relax.dequantize":
+            steps.append((call.args[0], per_tensor_qparams(call), None))
+        elif op in QPARAM_TRANSPARENT_OPS and call.args and _is_int8(call.args[0]):
+            steps.append((var, None, call.args[0]))
     changed = True
     while changed:
         changed = False
-        for var, call in bindings:
-            op = call.op.name
-            if op == "relax.quantize":
-                changed |= learn(var, per_tensor_qparams(call))
-            elif op == "relax.dequantize":
-                changed |= learn(call.args[0], per_tensor_qparams(call))
-            elif op in QPARAM_TRANSPARENT_OPS and call.args and _is_int8(call.args[0]):
-                changed |= learn(var, known.get(call.args[0]))
-                changed |= learn(call.args[0], known.get(var))
+        for var, stated, source in steps:
+            if source is None:
+                changed |= learn(var, stated)
+            else:
+                changed |= learn(var, known.get(source))
+                changed |= learn(source, known.get(var))
     return known
