@@ -69,11 +69,14 @@ def sum_dtype(bound: int) -> np.dtype:
     return np.dtype(np.int64)
 
 
-def centred_input(ifm: np.ndarray, input_zero_point: int, padding, dtype) -> np.ndarray:
-    """``ifm - zp`` in ``dtype``, zero-padded ``(top, left, bottom, right)`` on its last-but-one two axes."""
+def centred_input(ifm: np.ndarray, input_zero_point: int, padding, dtype, empty=np.empty) -> np.ndarray:
+    """``ifm - zp`` in ``dtype``, zero-padded ``(top, left, bottom, right)`` on its last-but-one two axes, in an
+    array from ``empty(shape, dtype)`` (a caller may hand out reused memory: every element is written)."""
     pt, pl, pb, pr = padding
     *lead, h, w, c = ifm.shape
-    x = np.zeros((*lead, h + pt + pb, w + pl + pr, c), dtype)
+    x = empty((*lead, h + pt + pb, w + pl + pr, c), dtype)
+    for border in (x[..., :pt, :, :], x[..., pt + h:, :, :], x[..., pt:pt + h, :pl, :], x[..., pt:pt + h, pl + w:, :]):
+        border.fill(0)
     np.subtract(ifm, np.array(input_zero_point, dtype), out=x[..., pt:pt + h, pl:pl + w, :], casting="unsafe")
     return x
 

@@ -23,7 +23,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from simulator.isa import Convolution, FeatureMap, Opcode
-from simulator.macs import PREPARED_SUMS
+from simulator.macs import PREPARED_SUMS, centred_input
 
 from ..relax_exprs import is_call
 from .layers import Layer
@@ -111,22 +111,10 @@ class WeightedPlan:
         operands, apply = PREPARED_SUMS[self.opcode]
         ofm = conv.ofm
         out = buffers.empty((*nhwc.shape[:-3], ofm.height, ofm.width, ofm.channels)) if self.channels_first else dest
-        apply(padded_input(nhwc, conv.padding), operands(w, conv, np.float32), conv, out)
+        padded = centred_input(nhwc, 0, conv.padding, np.float32, empty=buffers.empty)  # reused memory, not new pages
+        apply(padded, operands(w, conv, np.float32), conv, out)
         if self.channels_first:
             dest[...] = np.transpose(out, (0, 1, 4, 2, 3))
-
-
-def padded_input(x: np.ndarray, padding) -> np.ndarray:
-    """:func:`simulator.macs.centred_input` of float32 ``x`` with zero point 0 (the same values: zeros around
-    ``x - 0``), in a reused buffer (:mod:`.buffers`) rather than a fresh one per chunk."""
-    pt, pl, pb, pr = padding
-    *lead, h, w, c = x.shape
-    padded = buffers.empty((*lead, h + pt + pb, w + pl + pr, c), np.float32)
-    for border in (padded[..., :pt, :, :], padded[..., pt + h:, :, :], padded[..., pt:pt + h, :pl, :],
-                   padded[..., pt:pt + h, pl + w:, :]):
-        border.fill(0)
-    np.subtract(x, np.array(0, np.float32), out=padded[..., pt:pt + h, pl:pl + w, :], casting="unsafe")
-    return padded
 
 
 def plan_weighted(layer: Layer) -> WeightedPlan | None:
