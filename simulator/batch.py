@@ -249,11 +249,10 @@ class _ConstantMac:
     stage, a bound past those limits) returns None: the caller runs :func:`simulator.kernels.mac_output`."""
 
     def __init__(self, opcode: Opcode, conv: Convolution, config: NpuConfig, weights: np.ndarray, table: np.ndarray):
-        self.opcode, self.conv = opcode, conv
-        self.weights = weights.view(np.int8).reshape(weight_shape(opcode, conv))
-        self.table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS).copy()
-        self.sums = SumPlan(opcode, conv, self.weights)
-        self.bias = bias = self.table[:, 0].astype(np.int64)
+        self.conv = conv
+        self.sums = SumPlan(opcode, conv, weights.view(np.int8).reshape(weight_shape(opcode, conv)))
+        table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS)
+        self.bias = bias = table[:, 0].astype(np.int64)
         bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
         self.register_max = (1 << (bits - 1)) - 1
         self.requantizer = None
@@ -262,7 +261,7 @@ class _ConstantMac:
         numpy loop per block instead of one per pixel, which a layer of few channels pays for on every pixel.
         Shared by the threads running one batch: an entry is never changed once made, so a race makes it twice."""
         if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.TFLITE_DOUBLE:
-            self.requantizer = float64_requantizer(self.table[:, 1], self.table[:, 2], conv.output_zero_point,
+            self.requantizer = float64_requantizer(table[:, 1], table[:, 2], conv.output_zero_point,
                                                    conv.act_min, conv.act_max, bias=bias)
 
     def __call__(self, x: np.ndarray) -> np.ndarray | None:

@@ -150,11 +150,10 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
     """The region's command stream, with the dependencies its SRAM addresses imply: through the scheduler
     with each of ``variants`` (variants that differ only in prefetch share their plan), keeping the
     one with the shortest makespan (the earlier one on a tie), or layer by layer through DRAM when the
-    scheduler cannot fit the region (or ``scheduled`` is False). Every variant computes the same values; a
-    caller that needs only those (calibration) passes one variant and skips the others and their timing.
-    ``serial``: no dependencies are derived and every command waits for the one before it (``deps`` None, as in
-    streams before format 2.4): a valid stream with no overlap, which computes the same values, for a caller
-    that reads only those (calibration lowers a stream for every layer it tries)."""
+    scheduler cannot fit the region (or ``scheduled`` is False). Every variant computes the same values, so a
+    caller that needs only those (calibration, which lowers a stream for every layer it tries) asks for
+    ``serial``: the first variant that fits, untimed, with no dependencies derived; every command waits for the
+    one before it (``deps`` None, as in streams before format 2.4), a valid stream with no overlap."""
     best, schedulers = None, {}
     values, layers = _scheduler_inputs(graph, config, _region_buffers(StreamBuilder(config), graph))
     for options in variants if scheduled else ():
@@ -168,8 +167,8 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
         sb = StreamBuilder(config)
         _region_buffers(sb, graph)  # the same buffer indices as the values were given
         emit_schedule(sb, plan, values)
-        if len(variants) == 1:
-            return _stream(sb, config, name, timed=False, serial=serial)
+        if serial:
+            return _stream(sb, config, name, timed=False, serial=True)
         stream = _stream(sb, config, name)
         cycles = max((slot.end for slot in schedule(stream, config)), default=0)
         if best is None or cycles < best[0]:

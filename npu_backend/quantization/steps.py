@@ -329,7 +329,6 @@ class NpuLayer:
     def __init__(self, layer: Layer, folded: dict, inputs: list[TensorQ], output: TensorQ, weights: WeightQ | None,
                  constants: dict, source: str, config: NpuConfig):
         from ..codegen import build_partitioned, lower_module, npu_regions
-        from ..codegen.schedule import SCHEDULE_VARIANTS
         from ..partition import partition_for_npu
         from ..report import partition_report
 
@@ -366,7 +365,7 @@ class NpuLayer:
             symbol, region = next(iter(regions.items()))
             # Calibration needs the stream's values, not its cycles: one schedule variant, serial (no dependencies
             # to derive: the values do not depend on them), validated once.
-            self.stream = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1], serial=True)[symbol]
+            self.stream = lower_module(partitioned, serial=True)[symbol]
             self.prepared = PreparedBatch(self.stream, config)
             self.names = [p.name for p in region.params]
         else:
