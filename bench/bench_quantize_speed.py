@@ -15,7 +15,9 @@ Both use every core: onnxruntime its intra-op thread pool, ours its calibration 
 simulator batch shared between the threads; ``--threads`` sets how many). The two alternate ``--rounds`` times
 (ours first in odd rounds), so that a busy machine slows both alike; the best round of each is reported, with the
 ratio. Then ours once more with every phase timed: exclusive CPU time per phase (a phase called inside another
-is not counted twice), on the main thread and on the others, and the walk's wall time per layer kind.
+is not counted twice), on the main thread and on the others, the commands of the streams calibration lowers for its
+layers (by what they do: a DMA through a DRAM scratch buffer is a spill or a layout change), and the walk's wall time per layer
+kind.
 
     python bench/bench_quantize_speed.py [--samples 100] [--rounds 2] [--threads N] [--skip-ort] [--no-phases]
 """
@@ -29,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -193,7 +195,42 @@ def instrument() -> Phases:
     phases.wrap(quantization, "emit_module", "emit the QDQ module")
     phases.wrap(quantization, "calibrate", "quantize: everything else")
     phases.workers = parallel.WORKERS
+    phases.streams = count_streams(phases, steps.NpuLayer)
     return phases
+
+
+def count_streams(phases: Phases, layer_class) -> Counter:
+    """Commands of every stream calibration lowers for a layer, by what they do: wraps the class's ``__init__``
+    (outside the phase timer, :meth:`Phases.restore` puts it back)."""
+    tally = Counter()
+    init = layer_class.__init__
+
+    @functools.wraps(init)
+    def counted(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.stream is None:
+            return
+        tally["streams"] += 1
+        for command in self.stream.commands:
+            tally[command_kind(self.stream, command)] += 1
+
+    layer_class.__init__ = counted
+    phases._undo.append(lambda: setattr(layer_class, "__init__", init))
+    return tally
+
+
+def command_kind(stream, command) -> str:
+    """A DMA by the DRAM buffer it reads or writes (a scratch buffer: a spill, or a layout change through DRAM: an
+    NCHW region transposes its input and output there one channel per command), or compute."""
+    from simulator.isa import MemorySpace, Opcode
+
+    if command.opcode != Opcode.DMA_COPY:
+        return "compute"
+    p = command.payload
+    if MemorySpace.DRAM not in (p.src_space, p.dst_space):
+        return "DMA within SRAM"
+    dram, way = (p.src_buffer, "from") if p.src_space == MemorySpace.DRAM else (p.dst_buffer, "to")
+    return f"DMA {way} {stream.buffers[dram].kind.name.lower()}"
 
 
 def main() -> int:
@@ -283,6 +320,10 @@ def main() -> int:
         seconds, other = phases.seconds[name], phases.other[name]
         print(f"  {name:<44} {seconds:7.2f} s  {other:6.2f} s  {100 * (seconds + other) / cpu:5.1f}%  "
               f"({phases.calls[name]} calls)")
+    streams = phases.streams
+    kinds = sorted((k for k in streams if k != "streams"), key=lambda k: -streams[k])
+    print(f"calibration's layer streams: {streams['streams']} streams, {sum(streams[k] for k in kinds):,} commands: "
+          + ", ".join(f"{k} {streams[k]:,}" for k in kinds))
     print("calibration walk per layer kind (float, observers, simulator, NPU build):")
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
         print(f"  {kind:<12} {count[kind]:3d} layers {seconds:7.2f} s")
