@@ -135,6 +135,10 @@ class Phases:
             setattr(owner, attr, replacement)
             self._undo.append(lambda: setattr(owner, attr, original))
 
+    def on_restore(self, undo) -> None:
+        """Call ``undo`` when :meth:`restore` runs (a change made outside :meth:`wrap`)."""
+        self._undo.append(undo)
+
     def restore(self) -> None:
         for undo in reversed(self._undo):
             undo()
@@ -215,7 +219,7 @@ def count_streams(phases: Phases, layer_class) -> Counter:
             tally[command_kind(self.stream, command)] += 1
 
     layer_class.__init__ = counted
-    phases._undo.append(lambda: setattr(layer_class, "__init__", init))
+    phases.on_restore(lambda: setattr(layer_class, "__init__", init))
     return tally
 
 

@@ -45,7 +45,7 @@ from .machine import RunStats, run_stats
 from .macs import SumPlan, centred_input, sum_dtype
 from .numerics import Rounding, float64_requantizer
 from .opcodes import opcode_def
-from .prepared import ELEMENTWISE_OPCODES, _arithmetic_key, pair_table
+from .prepared import ELEMENTWISE_OPCODES, PairTables
 from .stream import decode_stream
 from .timeline import schedule
 from .validate import validate_stream
@@ -339,14 +339,9 @@ class PreparedBatch:
         self.macs = {index: _ConstantMac(stream.commands[index].opcode, stream.commands[index].payload, self.config,
                                          *operands)
                      for index, operands in constant_operands(stream, self.config).items()}
-        shared: dict[tuple, np.ndarray] = {}  # one table per arithmetic, as PreparedStream shares them
-        self.tables = {}
-        for index, c in enumerate(stream.commands):
-            if c.opcode in ELEMENTWISE_OPCODES and _pairable(c.payload):
-                key = _arithmetic_key(c.opcode, c.payload)
-                if key not in shared:
-                    shared[key] = pair_table(c.opcode, c.payload)
-                self.tables[index] = shared[key]
+        shared = PairTables()
+        self.tables = {index: shared.get(c.opcode, c.payload)[0] for index, c in enumerate(stream.commands)
+                       if c.opcode in ELEMENTWISE_OPCODES and _pairable(c.payload)}
 
     def run(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[int]]:
         """Outputs by name (``[N, *shape]`` each) and each command's accumulator overflows summed over the batch:

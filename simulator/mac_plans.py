@@ -19,7 +19,7 @@ from .config import NpuConfig
 from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, BufferKind, Command, CommandStream,
                   Convolution, DmaCopy, MemorySpace, Opcode, weight_shape)
 from .kernels import OUTPUT_STAGES, MachineState, _rows
-from .macs import SumPlan, _nothing, depthwise_input, sum_dtype
+from .macs import SumPlan, nothing, depthwise_input, sum_dtype
 from .numerics import (Rounding, float64_requantizer, float64_scale_requantizer, largest_magnitude,
                        narrow_accumulator)
 
@@ -181,7 +181,7 @@ class MacPlan:
         if self.shared is not None:
             product, columns, first = self.shared
             exact = product.product[..., columns]
-            centre, sums = (product.centre, product.sums) if first else (_nothing, _nothing)
+            centre, sums = (product.centre, product.sums) if first else (nothing, nothing)
         elif self.folds:
             ifm = self.conv.ifm
             x = self.owner.scratch("folded", np.dtype(np.float64), (ifm.height, ifm.width, ifm.channels + 1))

@@ -208,7 +208,7 @@ def _depthwise_window(x: np.ndarray, conv: Convolution):
     row, item = ow * oc, x.dtype.itemsize
     if sw == 1:
         base, tap_stride = x.reshape(hp, wp * oc), dw * oc * item
-        gather = _nothing
+        gather = nothing
     else:
         base = np.empty((kw, hp, row), x.dtype)
         columns = [x[:, kx * dw:kx * dw + (ow - 1) * sw + 1:sw, :] for kx in range(kw)]
@@ -224,8 +224,8 @@ def _depthwise_window(x: np.ndarray, conv: Convolution):
     return gather, window
 
 
-def _nothing() -> None:
-    pass
+def nothing() -> None:
+    """A step with nothing to do (a gather or a sum that a plan shares with an earlier command)."""
 
 
 def depthwise_input_size(conv: Convolution) -> int:

@@ -117,6 +117,23 @@ def pair_table(opcode: Opcode, op: Elementwise) -> np.ndarray:
     return np.ascontiguousarray(elementwise.compute(opcode, *ALL_PAIRS, op).astype(np.int8)).view(np.uint8)
 
 
+class PairTables:
+    """:func:`pair_table` of each arithmetic once: the commands of a stream that compute alike (a layer's tiles,
+    the blocks of a network that share qparams) share one table."""
+
+    def __init__(self):
+        self._tables: dict[tuple, np.ndarray] = {}
+
+    def get(self, opcode: Opcode, op: Elementwise) -> tuple[np.ndarray, bool]:
+        """The command's table, and whether it was made by this call (its bytes are new)."""
+        key = _arithmetic_key(opcode, op)
+        table = self._tables.get(key)
+        if table is not None:
+            return table, False
+        table = self._tables[key] = pair_table(opcode, op)
+        return table, True
+
+
 class _ElementwiseStep(_LazyStep):
     def prepare(self):
         opcode, op = self.command.opcode, self.command.payload
@@ -204,7 +221,7 @@ class PreparedStream:
         self._constants: dict | None = None
         self._shared: dict[int, list[int]] | None = None
         self._plans: dict[int, MacPlan | None] = {}
-        self._tables: dict[tuple, np.ndarray] = {}
+        self._tables = PairTables()
         self.operands: dict = {}
         """Converted weights (:class:`simulator.macs.SumPlan`), shared by the commands of one layer."""
         self.requantizer_tiles: dict = {}
@@ -260,10 +277,8 @@ class PreparedStream:
 
     def elementwise_table(self, opcode: Opcode, op: Elementwise) -> np.ndarray:
         """The result byte of every input pair, by the command's own arithmetic (:func:`elementwise.compute`)."""
-        key = _arithmetic_key(opcode, op)
-        table = self._tables.get(key)
-        if table is None:
-            table = self._tables[key] = pair_table(opcode, op)
+        table, made = self._tables.get(opcode, op)
+        if made:
             self.add_prepared_bytes(table.nbytes)
         return table
 
