@@ -37,15 +37,14 @@ import numpy as np
 from . import elementwise
 from .config import NpuConfig
 from .errors import ExecutionError
-from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, BufferKind, CommandStream, Convolution, DmaCopy,
+from .isa import (SCALE_BIAS_WORDS, ActivationType, BufferKind, CommandStream, Convolution, DmaCopy,
                   Elementwise, MemorySpace, Opcode, weight_shape)
 from .kernels import MAC_CHUNK, MachineState, mac_output
-from .mac_plans import constant_operands, exact_float_path
+from .mac_plans import MacConstants, constant_operands, exact_float_path
 from .machine import RunStats, run_stats
-from .macs import SumPlan, centred_input, sum_dtype
-from .numerics import Rounding, float64_requantizer
+from .macs import centred_input, sum_dtype
 from .opcodes import opcode_def
-from .prepared import ELEMENTWISE_OPCODES, PairTables
+from .prepared import ELEMENTWISE_OPCODES, PairTables, lookup_pairs
 from .stream import decode_stream
 from .timeline import schedule
 from .validate import validate_stream
@@ -250,19 +249,13 @@ class _ConstantMac:
 
     def __init__(self, opcode: Opcode, conv: Convolution, config: NpuConfig, weights: np.ndarray, table: np.ndarray):
         self.conv = conv
-        self.sums = SumPlan(opcode, conv, weights.view(np.int8).reshape(weight_shape(opcode, conv)))
-        table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS)
-        self.bias = bias = table[:, 0].astype(np.int64)
-        bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
-        self.register_max = (1 << (bits - 1)) - 1
-        self.requantizer = None
+        constants = MacConstants.of(opcode, conv, config, weights, table)
+        self.sums, self.bias, self.register_max = constants.sums, constants.bias, constants.register_max
+        self.requantizer = constants.requantizer
         self.tiles: dict = {}
         """The requantizer's per-channel constants tiled to a whole block (:meth:`Float64Requantizer.bind`): one
         numpy loop per block instead of one per pixel, which a layer of few channels pays for on every pixel.
         Shared by the threads running one batch: an entry is never changed once made, so a race makes it twice."""
-        if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.TFLITE_DOUBLE:
-            self.requantizer = float64_requantizer(table[:, 1], table[:, 2], conv.output_zero_point,
-                                                   conv.act_min, conv.act_max, bias=bias)
 
     def __call__(self, x: np.ndarray) -> np.ndarray | None:
         """The int8 outputs ``[N, OH, OW, OC]`` of the inputs ``x [N, H, W, IC]``, or None (class docstring)."""
@@ -308,10 +301,7 @@ def _table_elementwise(state: _BatchState, op: Elementwise, table: np.ndarray) -
     pairs = np.empty((min(step, state.batch), n), np.uint16)
     for start in range(0, state.batch, step):
         part = slice(start, start + step)
-        index = pairs[:len(x1[part])]
-        np.left_shift(x1[part], 8, out=index, dtype=np.uint16)
-        np.bitwise_or(index, x2[part], out=index)
-        out[part] = table[index]
+        lookup_pairs(x1[part], x2[part], table, out[part], pairs[:len(x1[part])])
     return 0
 
 

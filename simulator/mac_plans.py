@@ -79,6 +79,42 @@ def constant_operands(stream: CommandStream, config: NpuConfig) -> dict[int, tup
     return found
 
 
+@dataclasses.dataclass(frozen=True)
+class MacConstants:
+    """A MAC-array command's constant weights and scale/bias table, converted once for the fast paths that run it
+    on many inputs (:class:`MacPlan` for a prepared stream, :class:`simulator.batch.PreparedBatch`'s for a batch):
+    one conversion, so that the two paths cannot drift apart on what the table's words mean."""
+
+    sums: SumPlan
+    table: np.ndarray
+    """``[OC, SCALE_BIAS_WORDS]`` int32 words (a copy: the stream's memories may change under it)."""
+    bias: np.ndarray
+    """The table's bias word per channel, int64."""
+    bits: int
+    """The accumulator's width for the command's input type."""
+    requantizer: object | None
+    """The ``TFLITE_DOUBLE`` int8 output stage with the bias folded in
+    (:func:`simulator.numerics.float64_requantizer`); None for any other output stage."""
+
+    @property
+    def register_max(self) -> int:
+        return (1 << (self.bits - 1)) - 1
+
+    @classmethod
+    def of(cls, opcode: Opcode, conv: Convolution, config: NpuConfig, weights: np.ndarray, table: np.ndarray,
+           shared: dict | None = None) -> MacConstants:
+        """From the command's weight and table bytes (``shared``: :class:`SumPlan`'s cache of converted weights)."""
+        sums = SumPlan(opcode, conv, weights.view(np.int8).reshape(weight_shape(opcode, conv)), shared)
+        table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS).copy()
+        bias = table[:, 0].astype(np.int64)
+        bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
+        requantizer = None
+        if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.TFLITE_DOUBLE:
+            requantizer = float64_requantizer(table[:, 1], table[:, 2], conv.output_zero_point, conv.act_min,
+                                              conv.act_max, bias=bias)
+        return cls(sums, table, bias, bits, requantizer)
+
+
 def exact_float_path(channel_bounds: np.ndarray, bias: np.ndarray, register_max: int,
                      requantizer) -> tuple[bool, bool]:
     """(exact, fold) for sums bounded per channel by ``channel_bounds``: exact when no channel can overflow the
@@ -110,9 +146,8 @@ class MacPlan:
         self.shared: tuple[SharedProduct, slice, bool] | None = None
         """Set by :class:`SharedProduct`: the product this command's sums are columns of, which, and whether this
         command computes it (the first of the commands sharing it)."""
-        self.sums = SumPlan(opcode, conv, weights.view(np.int8).reshape(weight_shape(opcode, conv)), owner.operands)
-        self.table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS).copy()
-        self.bias = self.table[:, 0].astype(np.int64)
+        constants = MacConstants.of(opcode, conv, config, weights, table, owner.operands)
+        self.sums, self.table, self.bias, self.bits = constants.sums, constants.table, constants.bias, constants.bits
         self.bias_bound = int(np.abs(self.bias).max(initial=0))
         info = np.iinfo(conv.ifm.numpy_dtype)
         zp = conv.input_zero_point
@@ -122,15 +157,10 @@ class MacPlan:
             self.static_dtype = None  # only the data can tell which float type is exact
         self.chunks = self.sums.float32_chunks(self.input_bound) if self.static_dtype == np.float64 else None
         """Ranges of a long reduction summed in float32 each, added in float64 (:meth:`SumPlan.float32_chunks`)."""
-        bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
-        self.register_max = (1 << (bits - 1)) - 1
+        self.register_max = constants.register_max
         self.overflow = config.accumulator_overflow
-        self.bits = bits
-        self.requantizer = self.scale_requantizer = None
-        if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.TFLITE_DOUBLE:
-            self.requantizer = float64_requantizer(self.table[:, 1], self.table[:, 2], conv.output_zero_point,
-                                                   conv.act_min, conv.act_max, bias=self.bias)
-        elif conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.FLOAT64:
+        self.requantizer, self.scale_requantizer = constants.requantizer, None
+        if conv.ofm.dtype == ActivationType.INT8 and conv.rounding == Rounding.FLOAT64:
             scales = np.ascontiguousarray(self.table[:, 1:3]).view(np.float64).reshape(-1)
             self.scale_requantizer = float64_scale_requantizer(scales, conv.output_zero_point, conv.act_min,
                                                                conv.act_max)

@@ -134,6 +134,16 @@ class PairTables:
         return table, True
 
 
+def lookup_pairs(first: np.ndarray, second: np.ndarray, table: np.ndarray, out: np.ndarray,
+                 pairs: np.ndarray) -> None:
+    """``out = table[first * 256 + second]`` element by element: an int8 ADD, SUB or MUL through its
+    :func:`pair_table` (operands and result as uint8 views of one shape; ``pairs``, uint16 of that shape, is
+    scratch). The one lookup a prepared stream and a prepared batch both run."""
+    np.left_shift(first, 8, out=pairs, dtype=np.uint16)
+    np.bitwise_or(pairs, second, out=pairs)
+    np.take(table, pairs, out=out, mode="clip")  # every index is in range; "raise" would buffer
+
+
 class _ElementwiseStep(_LazyStep):
     def prepare(self):
         opcode, op = self.command.opcode, self.command.payload
@@ -145,9 +155,7 @@ class _ElementwiseStep(_LazyStep):
         pairs = np.empty(n, np.uint16)
 
         def run(state: MachineState) -> int:
-            np.left_shift(first, 8, out=pairs, dtype=np.uint16)
-            np.bitwise_or(pairs, second, out=pairs)
-            np.take(table, pairs, out=out, mode="clip")  # every index is in range; "raise" would buffer
+            lookup_pairs(first, second, table, out, pairs)
             return 0
 
         return run
