@@ -32,6 +32,7 @@ import numpy as np
 import npu_backend
 from npu_backend.codegen.lower import lower_module, npu_regions, region_graph
 from simulator import BufferKind, Opcode, run_stream
+from simulator.hazards import SRAM, accesses
 from simulator.opcodes import Engine
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,6 +54,28 @@ def feeds_last(graph) -> dict[str, bool]:
     return reaches
 
 
+def constant_readers(stream, stats) -> dict[int, str | None]:
+    """Each DMA command's index -> the layer of the first compute command after it that reads the SRAM bytes it
+    writes (the layer whose constants it moves; None if nothing reads them), from the stream's own accesses."""
+    found: dict[int, str | None] = {}
+    pending: list[tuple[int, int, int]] = []  # (DMA index, start, stop) of SRAM writes not yet read
+    for index, (command, s) in enumerate(zip(stream.commands, stats.commands)):
+        if command.opcode == Opcode.DMA_COPY:
+            found[index] = None
+            pending += [(index, a.start, a.stop) for a in accesses(command, stream.config)
+                        if a.write and a.memory == SRAM]
+            continue
+        reads = [a for a in accesses(command, stream.config) if not a.write and a.memory == SRAM]
+        still = []
+        for dma, start, stop in pending:
+            if any(a.start < stop and start < a.stop for a in reads):
+                found[dma] = s.layer
+            else:
+                still.append((dma, start, stop))
+        pending = still
+    return found
+
+
 def tail_bound(stream, stats, share: float, reaches: dict[str, bool]) -> dict:
     """The tightest suffix's figures (cycles), from the stream, its run and :func:`feeds_last`."""
     config = stream.config
@@ -63,13 +86,14 @@ def tail_bound(stream, stats, share: float, reaches: dict[str, bool]) -> dict:
     for s in computes:
         compute_of[s.layer] += s.cycles
         smallest[s.layer] = s.cycles if smallest[s.layer] is None else min(smallest[s.layer], s.cycles)
+    readers = constant_readers(stream, stats)
     moves = []  # (layer the constants belong to or None for an output, cycles, end, bytes)
-    for command, s in zip(stream.commands, stats.commands):
+    for index, (command, s) in enumerate(zip(stream.commands, stats.commands)):
         if command.opcode != Opcode.DMA_COPY:
             continue
         p = command.payload
         if p.src_space == 0 and stream.buffers[p.src_buffer].kind == BufferKind.CONSTANT:
-            owner = stream.buffers[p.src_buffer].name.split(".constants")[0]
+            owner = readers[index]
         elif p.dst_space == 0 and stream.buffers[p.dst_buffer].kind == BufferKind.OUTPUT:
             owner = None
         else:
