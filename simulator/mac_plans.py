@@ -20,8 +20,8 @@ from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, BufferKi
                   Convolution, DmaCopy, MemorySpace, Opcode, weight_shape)
 from .kernels import OUTPUT_STAGES, MachineState, _rows
 from .macs import SumPlan, nothing, depthwise_input, sum_dtype
-from .numerics import (Rounding, float64_requantizer, float64_scale_requantizer, largest_magnitude,
-                       narrow_accumulator)
+from .numerics import (Float64Requantizer, Rounding, float64_requantizer, float64_scale_requantizer,
+                       largest_magnitude, narrow_accumulator)
 
 if TYPE_CHECKING:
     from .prepared import PreparedStream
@@ -92,9 +92,9 @@ class MacConstants:
     """The table's bias word per channel, int64."""
     bits: int
     """The accumulator's width for the command's input type."""
-    requantizer: object | None
-    """The ``TFLITE_DOUBLE`` int8 output stage with the bias folded in
-    (:func:`simulator.numerics.float64_requantizer`); None for any other output stage."""
+    requantizer: Float64Requantizer | None
+    """The ``TFLITE_DOUBLE`` int8 output stage with the bias folded in (:func:`float64_requantizer`); None for any
+    other output stage."""
 
     @property
     def register_max(self) -> int:
