@@ -135,14 +135,14 @@ def lower_scheduled(graph: RegionGraph, config: NpuConfig, options: ScheduleOpti
     return sb
 
 
-def _stream(sb: StreamBuilder, config: NpuConfig, name: str, timed: bool = True, serial: bool = False
-            ) -> CommandStream:
-    """The stream of the builder's commands with their dependencies; ``timed``: compute commands ready sooner
-    moved ahead where that shortens the makespan (:func:`ready_first`; the values are the same either way);
-    ``serial``: none derived, every command waits for the one before it (:func:`lower_graph`)."""
-    commands = ready_first(sb.commands, config) if timed else sb.commands
+def _stream(sb: StreamBuilder, config: NpuConfig, name: str, serial: bool = False) -> CommandStream:
+    """The stream of the builder's commands: compute commands ready sooner moved ahead where that shortens the
+    makespan (:func:`ready_first`; the values are the same either way), then the dependencies their SRAM addresses
+    imply; ``serial``: neither, every command waits for the one before it (:func:`lower_graph`)."""
+    if serial:
+        return CommandStream(name=name, config=config, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
     return CommandStream(name=name, config=config, buffers=tuple(sb.buffers),
-                         commands=tuple(commands) if serial else dependencies(commands, config))
+                         commands=dependencies(ready_first(sb.commands, config), config))
 
 
 def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: bool = True,
@@ -168,11 +168,11 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
         _region_buffers(sb, graph)  # the same buffer indices as the values were given
         emit_schedule(sb, plan, values)
         if serial:
-            return _stream(sb, config, name, timed=False, serial=True)
+            return _stream(sb, config, name, serial=True)
         stream = _stream(sb, config, name)
         cycles = max((slot.end for slot in schedule(stream, config)), default=0)
         if best is None or cycles < best[0]:
             best = (cycles, stream)
     if best is not None:
         return best[1]
-    return _stream(lower_through_dram(graph, config), config, name, timed=not serial, serial=serial)
+    return _stream(lower_through_dram(graph, config), config, name, serial=serial)
