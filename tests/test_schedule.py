@@ -307,3 +307,55 @@ def test_a_lone_layer_is_cut_into_stripes_only_when_the_dma_they_hide_outweighs_
         stream, _ = _run_both(graph, get_config(preset))
         counts[preset] = [c.payload.ofm.height for c in stream.commands if c.opcode == Opcode.CONV2D]
     assert counts == {"npu-256": [3, 3, 3, 3], "scalesim-16x16": [12]}
+
+
+def test_the_tail_starts_where_compute_before_it_plus_its_constant_traffic_is_largest():
+    """``tail_start`` by hand: compute per step and the DMA cycles of the constant loads issued at each."""
+    from npu_backend.codegen.prefetch import tail_start
+
+    # s = 0: 0 + 20; s = 1: 5 + 20; s = 2: 10 + 0
+    assert tail_start([5, 5, 5], [0, 20, 0]) == 1
+    # the classifier's weights dominate: compute 30 before step 3 plus its 40
+    assert tail_start([10, 10, 10, 10], [5, 0, 0, 40]) == 3
+    # no constants: every step ties at 0 + 0 only for s = 0, later steps add compute
+    assert tail_start([0, 0], [0, 0]) == 0
+    assert tail_start([1, 1, 1], [0, 0, 0]) == 2
+
+
+def test_the_tail_policy_fills_sram_with_the_classifiers_weights_before_it_starts():
+    """MobileNetV2-0.35-96 on npu-256 ends in layers whose weights take the DMA engine longer to move than
+    they take to compute (the 1280 x 1001 classifier above all). The ``tail`` policy loads the earlier layers'
+    constants just in time, above the maps, so that more of the tail's constants are in SRAM when its first
+    layer starts than with ``above`` (which prefetches in order of use), and the stream ends earlier; both
+    compute TFLite's outputs exactly. Constant buffers are named ``<layer>.constants`` by the emitter."""
+    import npu_backend
+    from conftest import FIXTURES
+    from npu_backend.codegen.lower import npu_regions, region_graph
+    from npu_backend.codegen.schedule import ScheduleOptions
+
+    model = FIXTURES / "tflite" / "mobilenet_v2_035_96.tflite"
+    golden = np.load(model.with_suffix(".npz"))
+    ((symbol, function),) = npu_regions(npu_backend.partition_for_npu(npu_backend.load_tflite(model))).items()
+    graph = region_graph(function, symbol)
+    names = [layer.name for layer in graph.layers]
+    tail = set(names[names.index("conv2d_47"):])  # the tightest suffix (bench/bench_tail_bound.py)
+
+    def run(policy: str):
+        stream = lower_graph(graph, NPU_256, symbol, variants=(ScheduleOptions(policy, streamed_tiles=True),))
+        (name,) = [t.name for t in graph.inputs]
+        outputs, stats = run_stream(stream, {name: golden["inputs"][0]})
+        np.testing.assert_array_equal(next(iter(outputs.values())).reshape(golden["outputs"][0].shape),
+                                      golden["outputs"][0])
+        start = min(s.start for c, s in zip(stream.commands, stats.commands)
+                    if c.opcode != Opcode.DMA_COPY and c.layer in tail)
+        loaded = sum(c.payload.bytes_moved for c, s in zip(stream.commands, stats.commands)
+                     if c.opcode == Opcode.DMA_COPY and c.payload.src_space == 0
+                     and stream.buffers[c.payload.src_buffer].name.removesuffix(".constants") in tail
+                     and s.start + s.cycles <= start)
+        return stats.total_cycles, loaded
+
+    tail_cycles, tail_loaded = run("tail")
+    above_cycles, above_loaded = run("above")
+    assert tail_loaded > above_loaded + 16 * 1024, (tail_loaded, above_loaded)
+    assert tail_loaded > 0.8 * NPU_256.sram_bytes
+    assert tail_cycles < above_cycles, (tail_cycles, above_cycles)

@@ -2,10 +2,11 @@
 use, into steps whose compute would leave the DMA engine idle.
 
 The DMA engine takes its commands in order, so a load emitted early runs early. Where it can go is bounded by
-SRAM: a prefetched constant holds its bytes from its load to its use. Two policies place it:
+SRAM: a prefetched constant holds its bytes from its load to its use. Three policies place it:
 ``repack`` holds constants wherever SRAM's total leaves room and allocates everything again; ``above``
-places them over the maps' high-water mark. Which overlaps better depends on the region; the lowering tries
-both (:data:`npu_backend.codegen.schedule.SCHEDULE_VARIANTS`).
+places them over the maps' high-water mark; ``tail`` fills SRAM with a weight-streaming tail's constants
+while the layers before it load theirs just in time. Which overlaps better depends on the region; the
+lowering tries each (:data:`npu_backend.codegen.schedule.SCHEDULE_VARIANTS`).
 """
 
 from __future__ import annotations
@@ -183,17 +184,32 @@ def _place_above(config: NpuConfig, placed: list, high: list[int], first: int, l
                  size: int) -> int | None:
     """The highest address where ``size`` bytes stay above ``high`` and clear of the ``placed``
     (address, size, first, last) prefetched constants from step ``first`` to ``last``."""
+    overlapping = [p for p in placed if not (p[2] > last or p[3] < first)]
+    return _highest(config, overlapping, max(high[first:last + 1]), size)
+
+
+def _highest(config: NpuConfig, taken: list, floor: int, size: int) -> int | None:
+    """The highest aligned address where ``size`` bytes fit at or above ``floor`` clear of every ``taken``
+    (address, size, ...) range."""
     align = config.sram_align
-    floor = align_up(max(high[first:last + 1]), align)
     top = config.sram_bytes
-    for address, other, start, stop in sorted(placed, reverse=True):
-        if start > last or stop < first:
-            continue
+    for address, other, *_ in sorted(taken, reverse=True):
         if address + other <= top - size and (top - size) // align * align >= align_up(address + other, align):
             break
         top = min(top, address)
     candidate = (top - size) // align * align
-    return candidate if candidate >= floor else None
+    return candidate if candidate >= align_up(floor, align) else None
+
+
+def _lowest(config: NpuConfig, taken: list, floor: int, size: int) -> int | None:
+    """The lowest aligned address at or above ``floor`` where ``size`` bytes fit clear of every ``taken``
+    (address, size, ...) range."""
+    cursor = align_up(floor, config.sram_align)
+    for address, other, *_ in sorted(taken):
+        if address - cursor >= size:
+            break
+        cursor = max(cursor, align_up(address + other, config.sram_align))
+    return cursor if cursor + size <= config.sram_bytes else None
 
 
 def _moves_above(config: NpuConfig, steps: list[Step], comp: list[int], fifo: list[tuple[int, int]],
@@ -212,5 +228,179 @@ def _moves_above(config: NpuConfig, steps: list[Step], comp: list[int], fifo: li
     return _walk(config, steps, comp, fifo, place)
 
 
-PREFETCH_POLICIES = {"repack": prefetch_repacked, "above": prefetch_above}
+HEAD_LOOKAHEAD = 2
+"""The ``tail`` policy loads a constant of the layers before the tail at most this many steps before its
+regular issue: early enough that a tail load queued ahead of it on the DMA engine seldom delays its step,
+late enough that it holds little SRAM."""
+
+
+def tail_start(comp: list[int], load_cycles: list[int]) -> int:
+    """The first step of the tightest weight-streaming tail: the step ``s`` maximizing the compute of the
+    steps before it plus the DMA cycles of the constant loads issued from it on (``load_cycles``, per
+    step), the first such step on a tie: the bound ``bench/bench_tail_bound.py`` evaluates on a stream,
+    here on the steps' own cycle estimates."""
+    best, start, before, after = -1, 0, 0, sum(load_cycles)
+    for s, (compute, loads) in enumerate(zip(comp, load_cycles)):
+        if before + after > best:
+            best, start = before + after, s
+        before += compute
+        after -= loads
+    return start
+
+
+def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
+    """Deep prefetch for a region that ends in a weight-streaming tail (a classifier at batch 1): as much of
+    the tail's constants as SRAM holds is loaded before the tail starts, while the earlier layers' constants
+    load just in time.
+
+    The tail's last constants cannot load before SRAM frees, so the makespan is bounded by the compute before
+    the tail plus the DMA of its constants, less what is already in SRAM when it starts
+    (docs/cycle_model.md). The other policies prefetch in order of use, so the earlier layers' constants,
+    loaded far ahead, hold SRAM the tail could use, and a long-lived constant above a map placed high (the
+    maps are allocated together with the constants) wastes everything below it. Here the maps (every
+    buffer but a constant) are allocated alone, packed low; the earlier layers' constants go just above
+    them (lowest first), at most :data:`HEAD_LOOKAHEAD` steps early; the tail's go from the top of SRAM
+    down, over a band kept for the earlier layers' constants, whenever the DMA engine would idle. The walk
+    knows when each step's compute ends (the cycle model), so it places a load on bytes whose last reader
+    has ended by then, or counts the wait when nothing else is free. A constant load that finds no room at
+    its own issue leaves the schedule as the allocation made it (no deep prefetch)."""
+    steps, sram, align = schedule.steps, config.sram_bytes, config.sram_align
+    if len(steps) < 3:
+        return
+    comp = [step_cycles(config, step) for step in steps]
+    keys = [(j, k) for j, step in enumerate(steps) for k, load in enumerate(step.loads) if is_constant(load)]
+    issue = {(j, k): steps[j].hoisted.get(k, steps[j].issue) for j, k in keys}
+    cycles = {(j, k): dma_cycles(config, steps[j].loads[k].row_bytes, steps[j].loads[k].rows) for j, k in keys}
+    per_step = [0] * len(steps)
+    for key, c in cycles.items():
+        per_step[issue[key]] += c
+    first_tail = tail_start(comp, per_step)
+    constants = {id(steps[j].loads[k].sram) for j, k in keys}
+    saved = [(b, b.first, b.address) for b in schedule.buffers]
+    maps = [b for b in schedule.buffers if id(b) not in constants]
+    moves = None
+    if allocate(maps, sram, align) is None:
+        band = [0] * len(steps)  # room kept above the maps for the earlier layers' constants
+        for j, k in keys:
+            if j < first_tail:
+                b = steps[j].loads[k].sram
+                for t in range(max(0, issue[(j, k)] - HEAD_LOOKAHEAD), b.last + 1):
+                    band[t] += align_up(b.size, align)
+        moves = _TailWalk(config, steps, comp, maps, band).run(keys, issue, cycles, first_tail)
+    if moves is None:
+        for b, first, address in saved:
+            b.first, b.address = first, address
+        return
+    for step, k, t, address in moves:
+        buffer = step.loads[k].sram
+        buffer.first, buffer.address = t, address
+        if t != step.issue:
+            step.hoisted[k] = t
+        else:
+            step.hoisted.pop(k, None)
+
+
+class _TailWalk:
+    """The two engines walked through the steps for :func:`prefetch_tail`, placing every constant."""
+
+    def __init__(self, config: NpuConfig, steps: list[Step], comp: list[int], maps: list, band: list[int]):
+        self.config, self.steps, self.comp, self.maps, self.band = config, steps, comp, maps, band
+        self.high = [0] * len(steps)
+        for b in maps:
+            for t in range(b.first, b.last + 1):
+                self.high[t] = max(self.high[t], b.address + b.size)
+        self.end = [0] * len(steps)  # each step's compute end, once walked
+        self.placed: list[tuple[int, int, int, int]] = []  # (address, size, first step, last step)
+        self._reused: dict[int, int] = {}
+
+    def run(self, keys, issue, cycles, first_tail) -> list | None:
+        """(step, load index, step it is emitted at, address) of every constant load; None when one finds no
+        room at its own issue."""
+        steps, config = self.steps, self.config
+        regular: dict[int, list[tuple[int, int]]] = {}
+        for j, step in enumerate(steps):
+            for k in range(len(step.loads)):
+                regular.setdefault(step.hoisted.get(k, step.issue), []).append((j, k))
+        constant = set(keys)
+        moves, early, done = [], set(), {}
+        dma = compute = 0
+        head = 0
+        for t in range(len(steps)):
+            for j, k in regular.get(t, []):
+                if (j, k) in early:
+                    continue
+                load = steps[j].loads[k]
+                if (j, k) in constant:
+                    got = self.place(t, load.sram, dma, dma, low=j < first_tail, reserve=False, must=True)
+                    if got is None:
+                        return None
+                    moves.append((steps[j], k, t, got[0]))
+                    start = got[1]
+                else:
+                    start = max(dma, self.released(load.sram))
+                dma = start + dma_cycles(config, load.row_bytes, load.rows)
+                done[(j, k)] = dma
+            compute = self.end[t] = max([compute] + [done.get((t, k), 0) for k in range(len(steps[t].loads))]) \
+                + self.comp[t]
+            while head < len(keys) and issue[keys[head]] <= t + 1:
+                head += 1  # emitted at most a step later anyway
+            for j, k in keys[head:]:
+                if dma >= compute or steps[t].opaque:
+                    break
+                w = issue[(j, k)]
+                if (j, k) in early or w <= t + 1 or (j < first_tail and w > t + HEAD_LOOKAHEAD) \
+                        or any(steps[u].opaque for u in range(t, w)):
+                    continue
+                got = self.place(t, steps[j].loads[k].sram, dma, compute, low=j < first_tail,
+                                 reserve=j >= first_tail, must=False)
+                if got is None:
+                    continue
+                dma = got[1] + cycles[(j, k)]
+                done[(j, k)] = dma
+                early.add((j, k))
+                moves.append((steps[j], k, t, got[0]))
+            for store in steps[t].stores:
+                dma = max(dma, compute) + dma_cycles(config, store.row_bytes, store.rows)
+        return moves
+
+    def released(self, buffer) -> int:
+        """When the compute that last read the bytes of a map buffer before it was live has ended (0: none)."""
+        if id(buffer) not in self._reused:
+            before = [b.last for b in self.maps if b is not buffer and b.last < buffer.first
+                      and b.address < buffer.address + buffer.size and buffer.address < b.address + b.size]
+            self._reused[id(buffer)] = self.end[max(before)] if before else 0
+        return self._reused[id(buffer)]
+
+    def place(self, t: int, buffer, now: int, horizon: int, low: bool, reserve: bool,
+              must: bool) -> tuple[int, int] | None:
+        """(address, when its load can start) for ``buffer`` held from step ``t`` to its last use, lowest or
+        highest first; bytes whose last reader ends after ``horizon`` count as taken (``must``: else as free,
+        and the load waits for them). ``now``: when the DMA engine is free; ``reserve``: keep the band."""
+        end, high, last, size = self.end, self.high, buffer.last, buffer.size
+        fit = _lowest if low else _highest
+        u = t - 1
+        while u >= 0 and end[u] > horizon:
+            u -= 1
+        taken = [p for p in self.placed if (p[3] >= t and p[2] <= last) or (p[3] < t and end[p[3]] > horizon)]
+        floor = max(high[u + 1:last + 1]) + (max(self.band[t:last + 1]) if reserve else 0)
+        address = fit(self.config, taken, floor, size)
+        if address is None and must:
+            taken = [p for p in self.placed if p[3] >= t and p[2] <= last]
+            address = fit(self.config, taken, max(high[t:last + 1]), size)
+        if address is None:
+            return None
+        start = now
+        for other, other_size, _, other_last in self.placed:
+            if other_last < t and end[other_last] > start and other < address + size and address < other + other_size:
+                start = end[other_last]
+        for u in range(t - 1, -1, -1):
+            if end[u] <= now:
+                break
+            if high[u] > address:
+                start = max(start, end[u])
+        self.placed.append((address, size, t, last))
+        return address, start
+
+
+PREFETCH_POLICIES = {"repack": prefetch_repacked, "above": prefetch_above, "tail": prefetch_tail}
 """Deep-prefetch policies by name (:class:`npu_backend.codegen.schedule.ScheduleOptions`)."""

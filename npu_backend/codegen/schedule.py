@@ -601,5 +601,6 @@ class RegionScheduler:
             self.steps[-1].stores.append(Store(whole.sram, whole.offset, v.dram, 0, v.nbytes))
 
 SCHEDULE_VARIANTS = (ScheduleOptions("repack"), ScheduleOptions("above"), ScheduleOptions("repack", True),
-                     ScheduleOptions("above", True), ScheduleOptions("above", streamed_tiles=True))
+                     ScheduleOptions("above", True), ScheduleOptions("above", streamed_tiles=True),
+                     ScheduleOptions("tail", True), ScheduleOptions("tail", streamed_tiles=True))
 """The variants :func:`npu_backend.codegen.graph.lower_graph` tries, in order (the first wins a tie)."""
