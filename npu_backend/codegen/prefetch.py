@@ -279,7 +279,7 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
     saved = [(b, b.first, b.address) for b in schedule.buffers]
     maps = [b for b in schedule.buffers if id(b) not in constants]
     moves = None
-    if allocate(maps, sram, align) is None:
+    if len(constants) == len(keys) and allocate(maps, sram, align) is None:  # one load per constant buffer
         band = [0] * len(steps)  # room kept above the maps for the earlier layers' constants
         for j, k in keys:
             if j < first_tail:
