@@ -140,7 +140,8 @@ def test_a_map_too_large_for_sram_is_cascaded_by_stripes():
     expand_rows = sum(c.payload.ofm.height for c in stream.commands
                       if c.layer == "conv_1" and c.opcode == Opcode.CONV2D)
     assert expand_rows > 16  # halo rows recomputed
-    assert sum(c.payload.ofm.height for c in stream.commands if c.layer == "dw_2") == 16
+    assert sum(c.payload.ofm.height for c in stream.commands
+               if c.layer == "dw_2" and c.opcode == Opcode.DEPTHWISE_CONV2D) == 16
 
 
 def test_a_map_is_spilled_when_sram_is_too_small_to_keep_it():

@@ -263,7 +263,8 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
     down, over a band kept for the earlier layers' constants, whenever the DMA engine would idle. The walk
     knows when each step's compute ends (the cycle model), so it places a load on bytes whose last reader
     has ended by then, or counts the wait when nothing else is free. A constant load that finds no room at
-    its own issue leaves the schedule as the allocation made it (no deep prefetch)."""
+    its own issue leaves the schedule as the allocation made it (no deep prefetch), as does a tail whose
+    constants fit SRAM whole (it streams nothing; the other policies keep such a region low in SRAM)."""
     steps, sram, align = schedule.steps, config.sram_bytes, config.sram_align
     if len(steps) < 3:
         return
@@ -278,8 +279,9 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
     constants = {id(steps[j].loads[k].sram) for j, k in keys}
     saved = [(b, b.first, b.address) for b in schedule.buffers]
     maps = [b for b in schedule.buffers if id(b) not in constants]
+    streams = sum(steps[j].loads[k].sram.size for j, k in keys if j >= first_tail) > sram  # else it fits whole
     moves = None
-    if len(constants) == len(keys) and allocate(maps, sram, align) is None:  # one load per constant buffer
+    if streams and len(constants) == len(keys) and allocate(maps, sram, align) is None:  # one load per buffer
         band = [0] * len(steps)  # room kept above the maps for the earlier layers' constants
         for j, k in keys:
             if j < first_tail:
