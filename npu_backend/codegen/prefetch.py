@@ -41,6 +41,25 @@ def step_cycles(config: NpuConfig, step: Step) -> int:
     return opcode_def(command.opcode).cost(command.opcode, command.payload, config).cycles
 
 
+def emitted_at(steps: list[Step]) -> dict[int, list[tuple[int, int]]]:
+    """Step -> the (step, load index) of the loads emitted in its window, in order: at the consumer's issue
+    step, or where the scheduler already moved the load (``Step.hoisted``)."""
+    regular: dict[int, list[tuple[int, int]]] = {}
+    for j, step in enumerate(steps):
+        for k in range(len(step.loads)):
+            regular.setdefault(step.hoisted.get(k, step.issue), []).append((j, k))
+    return regular
+
+
+def high_water(buffers, steps: int) -> list[int]:
+    """Per step, the end of the highest of ``buffers`` live at it (0 where none is)."""
+    high = [0] * steps
+    for b in buffers:
+        for t in range(b.first, b.last + 1):
+            high[t] = max(high[t], b.address + b.size)
+    return high
+
+
 def prefetch_repacked(schedule: Schedule, config: NpuConfig) -> None:
     """Deep prefetch: emit constant loads (weights and scale/bias tiles) earlier than the step before their
     use, during steps whose compute would leave the DMA engine idle, while SRAM keeps a margin free at
@@ -90,10 +109,7 @@ def _walk(config: NpuConfig, steps: list[Step], comp: list[int], fifo: list[tupl
     hoisted: set[tuple[int, int]] = set()
     done: dict[tuple[int, int], int] = {}
     dma = compute = 0
-    regular: dict[int, list[tuple[int, int]]] = {}
-    for j, step in enumerate(steps):
-        for k in range(len(step.loads)):
-            regular.setdefault(step.hoisted.get(k, step.issue), []).append((j, k))
+    regular = emitted_at(steps)
     for t in range(len(steps)):
         for j, k in regular.get(t, []):  # the loads emitted at t, in order
             if (j, k) not in hoisted:
@@ -157,11 +173,7 @@ def prefetch_above(schedule: Schedule, config: NpuConfig) -> None:
     for loose in (True, False):
         # loose: above the maps alone, the other constants allocated again around the prefetched ones;
         # else above everything, which needs no new allocation
-        high = [0] * len(steps)
-        for b in schedule.buffers:
-            if not (loose and id(b) in constants):
-                for t in range(b.first, b.last + 1):
-                    high[t] = max(high[t], b.address + b.size)
+        high = high_water([b for b in schedule.buffers if not (loose and id(b) in constants)], len(steps))
         moves = _moves_above(config, steps, comp, fifo, high)
         for _ in range(HOIST_ROUNDS if loose else 1):
             for b, first, address in saved:
@@ -270,7 +282,8 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
         return
     comp = [step_cycles(config, step) for step in steps]
     keys = [(j, k) for j, step in enumerate(steps) for k, load in enumerate(step.loads) if is_constant(load)]
-    issue = {(j, k): steps[j].hoisted.get(k, steps[j].issue) for j, k in keys}
+    regular = emitted_at(steps)
+    issue = {key: t for t, loads in regular.items() for key in loads}
     cycles = {(j, k): dma_cycles(config, steps[j].loads[k].row_bytes, steps[j].loads[k].rows) for j, k in keys}
     per_step = [0] * len(steps)
     for key, c in cycles.items():
@@ -288,7 +301,7 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
                 b = steps[j].loads[k].sram
                 for t in range(max(0, issue[(j, k)] - HEAD_LOOKAHEAD), b.last + 1):
                     band[t] += align_up(b.size, align)
-        moves = _TailWalk(config, steps, comp, maps, band).run(keys, issue, cycles, first_tail)
+        moves = _TailWalk(config, steps, comp, maps, band).run(regular, keys, issue, cycles, first_tail)
     if moves is None:
         for b, first, address in saved:
             b.first, b.address = first, address
@@ -307,22 +320,15 @@ class _TailWalk:
 
     def __init__(self, config: NpuConfig, steps: list[Step], comp: list[int], maps: list, band: list[int]):
         self.config, self.steps, self.comp, self.maps, self.band = config, steps, comp, maps, band
-        self.high = [0] * len(steps)
-        for b in maps:
-            for t in range(b.first, b.last + 1):
-                self.high[t] = max(self.high[t], b.address + b.size)
+        self.high = high_water(maps, len(steps))
         self.end = [0] * len(steps)  # each step's compute end, once walked
         self.placed: list[tuple[int, int, int, int]] = []  # (address, size, first step, last step)
         self._reused: dict[int, int] = {}
 
-    def run(self, keys, issue, cycles, first_tail) -> list | None:
-        """(step, load index, step it is emitted at, address) of every constant load; None when one finds no
-        room at its own issue."""
+    def run(self, regular, keys, issue, cycles, first_tail) -> list | None:
+        """(step, load index, step it is emitted at, address) of every constant load (``keys``; ``regular``:
+        :func:`emitted_at`, ``issue`` its inverse); None when one finds no room at its own issue."""
         steps, config = self.steps, self.config
-        regular: dict[int, list[tuple[int, int]]] = {}
-        for j, step in enumerate(steps):
-            for k in range(len(step.loads)):
-                regular.setdefault(step.hoisted.get(k, step.issue), []).append((j, k))
         constant = set(keys)
         moves, early, done = [], set(), {}
         dma = compute = 0
