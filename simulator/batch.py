@@ -37,8 +37,8 @@ import numpy as np
 from . import elementwise
 from .config import NpuConfig
 from .errors import ExecutionError
-from .isa import (SCALE_BIAS_WORDS, ActivationType, BufferKind, CommandStream, Convolution, DmaCopy,
-                  Elementwise, MemorySpace, Opcode, weight_shape)
+from .isa import (ActivationType, BufferKind, CommandStream, Convolution, DmaCopy, Elementwise, MemorySpace, Opcode,
+                  scale_bias_bytes, scale_bias_words, weight_shape)
 from .kernels import MAC_CHUNK, MachineState, mac_output
 from .mac_plans import MacConstants, constant_operands, exact_float_path
 from .machine import RunStats, run_stats
@@ -121,11 +121,10 @@ def _mac(state: _BatchState, opcode: Opcode, conv, config: NpuConfig):
         return None
     shape = weight_shape(opcode, conv)
     weight_bytes = int(np.prod(shape))
-    table_bytes = conv.ofm.channels * SCALE_BIAS_WORDS * 4
+    table_bytes = scale_bias_bytes(conv)
     sram0 = state.sram[0]
     weights = sram0[conv.weights_address:conv.weights_address + weight_bytes].view(np.int8).reshape(shape)
-    table = sram0[conv.scale_bias_address:conv.scale_bias_address + table_bytes].view(np.int32).reshape(
-        conv.ofm.channels, SCALE_BIAS_WORDS)
+    table = scale_bias_words(sram0[conv.scale_bias_address:conv.scale_bias_address + table_bytes], conv)
     ifm = conv.ifm
     x = state.sram[:, ifm.address:ifm.address + ifm.nbytes].view(ifm.numpy_dtype).reshape(
         state.batch, ifm.height, ifm.width, ifm.channels)
@@ -375,7 +374,7 @@ class PreparedBatch:
 def _uniform_operands(state: _BatchState, opcode: Opcode, conv: Convolution) -> bool:
     """The command's weights and scale/bias table are equal in every sample."""
     return (state.is_uniform(conv.weights_address, int(np.prod(weight_shape(opcode, conv))))
-            and state.is_uniform(conv.scale_bias_address, conv.ofm.channels * SCALE_BIAS_WORDS * 4))
+            and state.is_uniform(conv.scale_bias_address, scale_bias_bytes(conv)))
 
 
 def run_stream_batch(stream: CommandStream | bytes, inputs: Mapping[str, np.ndarray],

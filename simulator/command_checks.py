@@ -15,9 +15,9 @@ import numpy as np
 from .config import NpuConfig
 from .elementwise import unused_fields
 from .errors import StreamError
-from .isa import (SCALE_BIAS_WORDS, ActivationType, BufferKind, CommandStream, Convolution, DmaCopy, Elementwise,
-                  FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax, TableLookup,
-                  conv_output_size, weight_shape)
+from .isa import (DOUBLE_SCALE_ROUNDINGS, SCALE_BIAS_RECORDS, ActivationType, BufferKind, CommandStream, Convolution,
+                  DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax,
+                  TableLookup, conv_output_size, scale_bias_bytes, weight_shape)
 from .numerics import INT32_MAX, Rounding
 from .resize import ONE, ROUNDINGS
 
@@ -84,10 +84,16 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
     regions = {"ifm": (conv.ifm.address, conv.ifm.nbytes),
                "ofm": (conv.ofm.address, conv.ofm.nbytes),
                "weights": (conv.weights_address, int(np.prod(weight_shape(opcode, conv)))),
-               "scale_bias": (conv.scale_bias_address, conv.ofm.channels * SCALE_BIAS_WORDS * 4)}
+               "scale_bias": (conv.scale_bias_address, scale_bias_bytes(conv))}
     for name, (start, size) in regions.items():
         if start + size > config.sram_bytes:
             raise StreamError(f"{where}: {name} ends at SRAM byte {start + size}, past {config.sram_bytes}")
+    if conv.scale_bias_record not in SCALE_BIAS_RECORDS:
+        raise StreamError(f"{where}: scale/bias records of {conv.scale_bias_record} bytes; a record takes "
+                          + " or ".join(f"{size} ({layout})" for size, layout in SCALE_BIAS_RECORDS.items()))
+    if conv.scale_bias_record != 12 and conv.rounding in DOUBLE_SCALE_ROUNDINGS:
+        raise StreamError(f"{where}: rounding {conv.rounding.name} keeps a float64 scale per channel, which needs "
+                          f"12-byte scale/bias records, not {conv.scale_bias_record}")
     if conv.scale_bias_address % 4:
         raise StreamError(f"{where}: scale_bias table must be 4-byte aligned")
     ofm_start, ofm_size = regions["ofm"]

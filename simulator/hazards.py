@@ -26,8 +26,8 @@ import numpy as np
 
 from .config import NpuConfig
 from .errors import StreamError
-from .isa import (SCALE_BIAS_WORDS, Command, CommandStream, Convolution, DmaCopy, MemorySpace, TableLookup,
-                  feature_maps, weight_shape)
+from .isa import (Command, CommandStream, Convolution, DmaCopy, MemorySpace, TableLookup, feature_maps,
+                  scale_bias_bytes, weight_shape)
 from .opcodes import Engine, opcode_def
 
 SRAM = (MemorySpace.SRAM, -1)
@@ -66,8 +66,7 @@ def accesses(command: Command, config: NpuConfig) -> tuple[Access, ...]:
     if isinstance(p, Convolution):
         weights = int(np.prod(weight_shape(command.opcode, p)))
         found += [Access(SRAM, p.weights_address, p.weights_address + weights, False),
-                  Access(SRAM, p.scale_bias_address,
-                         p.scale_bias_address + p.ofm.channels * SCALE_BIAS_WORDS * 4, False)]
+                  Access(SRAM, p.scale_bias_address, p.scale_bias_address + scale_bias_bytes(p), False)]
     if isinstance(p, TableLookup):
         found.append(Access(SRAM, p.table_address, p.table_address + config.lut_entries, False))
     return tuple(found)

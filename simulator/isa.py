@@ -16,7 +16,7 @@ from .config import NpuConfig, get_config
 from .errors import StreamError
 from .numerics import Rounding
 
-FORMAT_VERSION = (2, 4)
+FORMAT_VERSION = (2, 5)
 """(major, minor) of the command-stream format; a reader accepts the majors in ``READABLE_MAJORS``.
 
 1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
@@ -42,7 +42,11 @@ compute units overlap (:mod:`simulator.timeline`). Absent, as in every older str
 the previous one: the stream runs serially, as it always did. The encoder refuses to write explicit
 dependencies in an older format. 2.4 also added the MAC array's dataflow to ``HardwareConfig``
 (``NpuConfig.fold_fill_cycles``, ``parallel_depthwise``); absent, they mean their defaults, and an older
-format cannot carry other values."""
+format cannot carry other values.
+2.5 added ``Convolution.scale_bias_record``: the bytes of each output channel's scale/bias record, 12 (three
+int32 words, what every older stream holds and what absent means) or 9 (int32 bias, int32 multiplier, int8
+shift, packed; TFLite's roundings only), which moves a quarter fewer bytes. The encoder refuses a 9-byte
+record in an older format."""
 
 READABLE_MAJORS = (1, 2)
 
@@ -51,6 +55,9 @@ DTYPE_SINCE = (2, 3)
 
 DEPS_SINCE = (2, 4)
 """The format that added ``Command.deps``."""
+
+RECORD_SINCE = (2, 5)
+"""The format that added ``Convolution.scale_bias_record``."""
 
 
 class ActivationType(IntEnum):
@@ -189,6 +196,8 @@ class Convolution:
     act_min: int = -128
     act_max: int = 127
     rounding: Rounding = Rounding.TFLITE_DOUBLE
+    scale_bias_record: int = 12
+    """Bytes of each output channel's scale/bias record (:data:`SCALE_BIAS_RECORDS`, format 2.5)."""
 
 
 def _as_float32(payload, names: tuple[str, ...]) -> None:
@@ -348,7 +357,49 @@ class MatMul:
 
 
 SCALE_BIAS_WORDS = 3
-"""int32 words per output channel in the scale/bias table: bias, multiplier, shift."""
+"""Words per output channel of a decoded scale/bias table (:func:`scale_bias_words`): bias, multiplier, shift."""
+
+DOUBLE_SCALE_ROUNDINGS = (Rounding.FLOAT64, Rounding.ONNXRUNTIME)
+"""Modes whose scale/bias table holds a float64 scale per channel instead of (multiplier, shift)."""
+
+PACKED_RECORD = np.dtype([("bias", "<i4"), ("multiplier", "<i4"), ("shift", "i1")])
+"""The 9-byte record (format 2.5): what TFLite's fixed-point output stage needs per channel, unpadded. Ethos-U
+packs its scale/bias records likewise (10 bytes: a 40-bit bias, a 32-bit scale, a 6-bit shift)."""
+
+SCALE_BIAS_RECORDS = {12: "three int32 words", PACKED_RECORD.itemsize: "int32 bias, int32 multiplier, int8 shift"}
+"""Bytes per output channel a scale/bias record may take -> its layout (command_stream.fbs)."""
+
+
+def scale_bias_record(rounding: Rounding) -> int:
+    """The record the codegen writes for ``rounding``: packed where the shift fits a byte, the three words where
+    the last two hold a float64 scale."""
+    return 12 if rounding in DOUBLE_SCALE_ROUNDINGS else PACKED_RECORD.itemsize
+
+
+def scale_bias_bytes(conv: Convolution) -> int:
+    """Bytes of the command's scale/bias table in SRAM."""
+    return conv.ofm.channels * conv.scale_bias_record
+
+
+def scale_bias_words(raw: np.ndarray, conv: Convolution) -> np.ndarray:
+    """The ``[OC, SCALE_BIAS_WORDS]`` int32 words of a table's bytes (``raw``: uint8, :func:`scale_bias_bytes`
+    of them), whatever its record: a view for 12-byte records, a new array for packed ones."""
+    if conv.scale_bias_record == 12:
+        return raw.view("<i4").reshape(conv.ofm.channels, SCALE_BIAS_WORDS)
+    records = raw.view(PACKED_RECORD)
+    return np.stack([records["bias"], records["multiplier"], records["shift"].astype(np.int32)], axis=1)
+
+
+def pack_scale_bias(words: np.ndarray, record: int) -> bytes:
+    """The table's bytes in ``record``-byte records from its ``[OC, SCALE_BIAS_WORDS]`` int32 words."""
+    words = np.asarray(words, dtype="<i4")
+    if record == 12:
+        return words.tobytes()
+    if np.any(words[:, 2] < -128) or np.any(words[:, 2] > 127):
+        raise StreamError("a shift does not fit the packed record's byte")
+    records = np.empty(len(words), PACKED_RECORD)
+    records["bias"], records["multiplier"], records["shift"] = words[:, 0], words[:, 1], words[:, 2]
+    return records.tobytes()
 
 
 def feature_maps(payload) -> list[tuple[str, FeatureMap]]:

@@ -34,8 +34,9 @@ import numpy as np
 
 from . import elementwise
 from .config import NpuConfig
-from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, Convolution, DmaCopy, Elementwise, FeatureMap,
-                  MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax, TableLookup, weight_shape)
+from .isa import (ACTIVATION_FORMATS, DOUBLE_SCALE_ROUNDINGS, ActivationType, Convolution, DmaCopy, Elementwise,
+                  FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax, TableLookup,
+                  scale_bias_bytes, scale_bias_words, weight_shape)
 from .macs import conv2d_sums, depthwise_sums, exact_sums, fully_connected_sums, sum_bound, sum_dtype
 from .numerics import Rounding, narrow_accumulator, requantize, requantize_16x8, requantize_float
 from .onnxruntime_numerics import ort_avg_pool, ort_mean
@@ -71,8 +72,6 @@ def _read(state: MachineState, address: int, shape: tuple[int, ...], dtype) -> n
     return state.sram[address:address + count].view(dtype).reshape(shape)
 
 
-DOUBLE_SCALE_ROUNDINGS = (Rounding.FLOAT64, Rounding.ONNXRUNTIME)
-"""Modes whose scale/bias table holds a float64 scale per channel instead of (multiplier, shift)."""
 
 
 MAC_CHUNK = 1 << 18
@@ -106,7 +105,7 @@ def mac_output(opcode: Opcode, conv: Convolution, config: NpuConfig, ifm: np.nda
 def _run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> int:
     ifm = _read(state, conv.ifm.address, (conv.ifm.height, conv.ifm.width, conv.ifm.channels), conv.ifm.numpy_dtype)
     weights = _read(state, conv.weights_address, weight_shape(opcode, conv), np.int8)
-    table = _read(state, conv.scale_bias_address, (conv.ofm.channels, SCALE_BIAS_WORDS), np.int32)
+    table = scale_bias_words(_read(state, conv.scale_bias_address, (scale_bias_bytes(conv),), np.uint8), conv)
     out, overflows = mac_output(opcode, conv, config, ifm, weights, table)
     state.sram[conv.ofm.address:conv.ofm.address + conv.ofm.nbytes] = out.reshape(-1).view(np.uint8)
     return overflows

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .config import NpuConfig
-from .isa import (ACTIVATION_FORMATS, SCALE_BIAS_WORDS, ActivationType, BufferKind, Command, CommandStream,
-                  Convolution, DmaCopy, MemorySpace, Opcode, weight_shape)
+from .isa import (ACTIVATION_FORMATS, ActivationType, BufferKind, Command, CommandStream,
+                  Convolution, DmaCopy, MemorySpace, Opcode, scale_bias_bytes, scale_bias_words, weight_shape)
 from .kernels import OUTPUT_STAGES, MachineState, _rows
 from .macs import SumPlan, nothing, depthwise_input, sum_dtype
 from .numerics import (Float64Requantizer, Rounding, float64_requantizer, float64_scale_requantizer,
@@ -31,10 +31,6 @@ FOLD_MAX_CHANNELS = 24
 """Input channels up to which a float64 product with the output stage folded in costs less than a float32 one
 followed by the stage's multiply and add (measured on this project's bench machine: 16 gains about a quarter,
 24 breaks even, 32 loses)."""
-
-
-def _table_bytes(conv: Convolution) -> int:
-    return conv.ofm.channels * SCALE_BIAS_WORDS * 4
 
 
 def constant_operands(stream: CommandStream, config: NpuConfig) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -70,7 +66,7 @@ def constant_operands(stream: CommandStream, config: NpuConfig) -> dict[int, tup
             continue
         if command.opcode in MAC_OPCODES:
             w0, w1 = p.weights_address, p.weights_address + int(np.prod(weight_shape(command.opcode, p)))
-            t0, t1 = p.scale_bias_address, p.scale_bias_address + _table_bytes(p)
+            t0, t1 = p.scale_bias_address, p.scale_bias_address + scale_bias_bytes(p)
             if known[w0:w1].all() and known[t0:t1].all():
                 found[index] = (image[w0:w1].copy(), image[t0:t1].copy())
         for access in accesses(command, config):
@@ -87,7 +83,8 @@ class MacConstants:
 
     sums: SumPlan
     table: np.ndarray
-    """``[OC, SCALE_BIAS_WORDS]`` int32 words (a copy: the stream's memories may change under it)."""
+    """The table as ``[OC, SCALE_BIAS_WORDS]`` int32 words, whatever its record (a copy: the stream's memories
+    may change under it)."""
     bias: np.ndarray
     """The table's bias word per channel, int64."""
     bits: int
@@ -105,7 +102,7 @@ class MacConstants:
            shared: dict | None = None) -> MacConstants:
         """From the command's weight and table bytes (``shared``: :class:`SumPlan`'s cache of converted weights)."""
         sums = SumPlan(opcode, conv, weights.view(np.int8).reshape(weight_shape(opcode, conv)), shared)
-        table = table.view(np.int32).reshape(conv.ofm.channels, SCALE_BIAS_WORDS).copy()
+        table = np.array(scale_bias_words(table.view(np.uint8), conv), dtype=np.int32)
         bias = table[:, 0].astype(np.int64)
         bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
         requantizer = None

@@ -27,7 +27,7 @@ def test_compile_inspect_sim_round_trip(tmp_path, capsys):
     assert main(["inspect", str(streams[0])]) == 0
     listing = capsys.readouterr().out
     assert "(valid)" in listing and "CONV2D" in listing and "DMA_COPY" in listing
-    assert "format 2.4" in listing and " waits for [" in listing  # the codegen states dependencies
+    assert "format 2.5" in listing and " waits for [" in listing  # the codegen states dependencies
     golden = np.load(MODEL.with_suffix(".npz"))
     np.save(tmp_path / "x.npy", golden["inputs"][0])
     name = "serving_default_keras_tensor:0"

@@ -83,7 +83,8 @@ def _emit_mac(sb: StreamBuilder, opcode: Opcode, p: ConvParams, plan: TilePlan, 
     g = program.g
     weights_c, table_c = program.constants
     weights = sb.add_buffer(f"{layer}.weights", BufferKind.CONSTANT, weights_c.shape, data=weights_c.data)
-    scale_bias = sb.add_buffer(f"{layer}.scale_bias", BufferKind.CONSTANT, table_c.shape, "int32", data=table_c.data)
+    scale_bias = sb.add_buffer(f"{layer}.scale_bias", BufferKind.CONSTANT, table_c.shape, table_c.dtype,
+                               data=table_c.data)
     for c0 in range(0, g.out_channels, plan.channel_tile):
         ct = min(plan.channel_tile, g.out_channels - c0)
         sb.dma(layer, weights, c0 * weights_c.per_channel, plan.weights_address, ct * weights_c.per_channel)

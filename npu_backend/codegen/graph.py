@@ -16,7 +16,7 @@ import numpy as np
 
 from simulator.config import NpuConfig
 from simulator.hazards import dependencies
-from simulator.isa import BufferKind, CommandStream
+from simulator.isa import SCALE_BIAS_WORDS, BufferKind, CommandStream, Convolution
 from simulator.timeline import schedule
 
 from ..errors import UnsupportedOpError
@@ -89,8 +89,9 @@ def lower_through_dram(graph: RegionGraph, config: NpuConfig) -> StreamBuilder:
     return sb
 
 
-def _scheduler_inputs(graph: RegionGraph, config: NpuConfig, buffers: dict[Tensor, int]):
-    """The region as the scheduler sees it: its values and its layers with their row programs."""
+def _scheduler_inputs(graph: RegionGraph, config: NpuConfig, buffers: dict[Tensor, int], packed: bool):
+    """The region as the scheduler sees it: its values and its layers with their row programs (``packed``:
+    :attr:`ScheduleOptions.packed_records`)."""
     values: list[Value] = []
     index_of: dict[Tensor, int] = {}
 
@@ -112,7 +113,7 @@ def _scheduler_inputs(graph: RegionGraph, config: NpuConfig, buffers: dict[Tenso
             raise UnsupportedOpError(f"{g.name} ({definition.composite}) cannot run on {config.name}: {reason}")
         sources = [None if o is None else value_of(o) for o in g.operands]
         dst = value_of(g.result)
-        program = row_program(g.params, prepared, list(g.operands))
+        program = row_program(g.params, prepared, list(g.operands), packed)
         computed = [s for s in sources if s is not None]
         if program is not None and (program.out != values[dst].shape or len(program.inputs) != len(computed)
                                     or any(shape != values[s].shape for shape, s in zip(program.inputs, computed))):
@@ -130,7 +131,7 @@ def lower_scheduled(graph: RegionGraph, config: NpuConfig, options: ScheduleOpti
                     ) -> StreamBuilder:
     """The region through its scheduler; raises ``ScheduleError`` when it cannot fit the region."""
     sb = StreamBuilder(config)
-    values, layers = _scheduler_inputs(graph, config, _region_buffers(sb, graph))
+    values, layers = _scheduler_inputs(graph, config, _region_buffers(sb, graph), options.packed_records)
     emit_schedule(sb, RegionScheduler(config, values, layers, options).run(), values)
     return sb
 
@@ -145,18 +146,32 @@ def _stream(sb: StreamBuilder, config: NpuConfig, name: str, serial: bool = Fals
                          commands=dependencies(ready_first(sb.commands, config), config))
 
 
+def _packed(stream: CommandStream) -> bool:
+    """Whether a MAC command of the stream reads packed scale/bias records."""
+    return any(isinstance(c.payload, Convolution) and c.payload.scale_bias_record != SCALE_BIAS_WORDS * 4
+               for c in stream.commands)
+
+
 def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: bool = True,
-                variants: tuple[ScheduleOptions, ...] = SCHEDULE_VARIANTS, serial: bool = False) -> CommandStream:
+                variants: tuple[ScheduleOptions, ...] = SCHEDULE_VARIANTS, serial: bool = False,
+                word_records: bool = True) -> CommandStream:
     """The region's command stream, with the dependencies its SRAM addresses imply: through the scheduler
     with each of ``variants`` (variants that differ only in prefetch share their plan), keeping the
     one with the shortest makespan (the earlier one on a tie), or layer by layer through DRAM when the
     scheduler cannot fit the region (or ``scheduled`` is False). Every variant computes the same values, so a
     caller that needs only those (calibration, which lowers a stream for every layer it tries) asks for
     ``serial``: the first variant that fits, untimed, with no dependencies derived; every command waits for the
-    one before it (``deps`` None, as in streams before format 2.4), a valid stream with no overlap."""
-    best, schedulers = None, {}
-    values, layers = _scheduler_inputs(graph, config, _region_buffers(StreamBuilder(config), graph))
-    for options in variants if scheduled else ():
+    one before it (``deps`` None, as in streams before format 2.4), a valid stream with no overlap.
+
+    ``word_records``: when the winner reads packed scale/bias records, it is also tried with 12-byte ones and
+    the shorter kept (:attr:`ScheduleOptions.packed_records`); False keeps exactly the variants given."""
+    best, schedulers, inputs = None, {}, {}
+    tried = list(variants) if scheduled else []
+    for options in tried:  # grows by one: the winner with 12-byte records (ScheduleOptions.packed_records)
+        if options.packed_records not in inputs:
+            inputs[options.packed_records] = _scheduler_inputs(
+                graph, config, _region_buffers(StreamBuilder(config), graph), options.packed_records)
+        values, layers = inputs[options.packed_records]
         planned = dataclasses.replace(options, prefetch=SCHEDULE_VARIANTS[0].prefetch)
         scheduler = schedulers.setdefault(planned, RegionScheduler(config, values, layers, options))
         scheduler.options = options
@@ -172,7 +187,10 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
         stream = _stream(sb, config, name)
         cycles = max((slot.end for slot in schedule(stream, config)), default=0)
         if best is None or cycles < best[0]:
-            best = (cycles, stream)
+            best = (cycles, stream, options)
+        if word_records and options is tried[-1] and options.packed_records and best[2].packed_records \
+                and _packed(best[1]):
+            tried.append(dataclasses.replace(best[2], packed_records=False))
     if best is not None:
         return best[1]
     return _stream(lower_through_dram(graph, config), config, name, serial=serial)

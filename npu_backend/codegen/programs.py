@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.isa import (SCALE_BIAS_WORDS, Command, Convolution, Elementwise, FeatureMap,
-                           Opcode, Pooling, Reduction)
+from simulator.isa import (SCALE_BIAS_WORDS, Command, Convolution, Elementwise, FeatureMap, Opcode, Pooling,
+                           Reduction, pack_scale_bias, scale_bias_record)
 from simulator.numerics import Rounding
 
 from ..params import ConvParams, ElementwiseParams, MeanParams, NpuOp, NpuParams, PoolParams
@@ -119,18 +119,25 @@ class WindowedProgram(RowProgram):
 
 
 class MacProgram(WindowedProgram):
-    """CONV2D, DEPTHWISE_CONV2D and FULLY_CONNECTED: weights and the scale/bias table stay in SRAM."""
+    """CONV2D, DEPTHWISE_CONV2D and FULLY_CONNECTED: weights and the scale/bias table stay in SRAM.
 
-    def __init__(self, opcode: Opcode, p: ConvParams, prepared):
+    ``packed``: the table in 9-byte records where the rounding allows (:func:`simulator.isa.scale_bias_record`),
+    a quarter fewer bytes to move; else the three words every stream format reads."""
+
+    def __init__(self, opcode: Opcode, p: ConvParams, prepared, packed: bool = False):
         self.opcode, self.p, self.g = opcode, p, LayerGeometry.of(p)
         g, e = self.g, self.g.element_bytes
         self.out = MapShape(g.out_height, g.out_width, g.out_channels, e)
         self.inputs = (MapShape(g.height, g.width, g.in_channels, e),)
         multiplier, shift = prepared
         table = np.stack([p.bias.astype(np.int32), multiplier, shift], axis=1).astype("<i4")
+        self.record = scale_bias_record(p.rounding) if packed else SCALE_BIAS_WORDS * 4
         weights = np.ascontiguousarray(p.weights, dtype=np.int8)
+        words = self.record == SCALE_BIAS_WORDS * 4
         self.constants = (Constant("weights", weights.tobytes(), weights.shape, "int8", g.weight_bytes(1)),
-                          Constant("scale_bias", table.tobytes(), table.shape, "int32", SCALE_BIAS_WORDS * 4))
+                          Constant("scale_bias", pack_scale_bias(table, self.record),
+                                   table.shape if words else (len(table) * self.record,),
+                                   "int32" if words else "uint8", self.record))
         self.splits_channels = not g.depthwise
 
     def command(self, layer, o0, o1, c0, ct, ifms, ofm_address, constants):
@@ -144,7 +151,7 @@ class MacProgram(WindowedProgram):
             weights_address=constants[0], scale_bias_address=constants[1], kernel=g.kernel, stride=g.strides,
             dilation=g.dilation, padding=(w.pad_top, g.padding[1], w.pad_bottom, g.padding[3]),
             input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
-            act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding)
+            act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding, scale_bias_record=self.record)
         return Command(self.opcode, conv, layer)
 
 
@@ -268,10 +275,14 @@ ROW_PROGRAMS = {
 """Operators with a row program; the others run their DRAM-in/DRAM-out tile program whole."""
 
 
-def row_program(p: NpuParams, prepared, sources: list) -> RowProgram | None:
-    """The row program of a layer, or ``None`` when its operator (or this instance of it) has none."""
+def row_program(p: NpuParams, prepared, sources: list, packed: bool = False) -> RowProgram | None:
+    """The row program of a layer, or ``None`` when its operator (or this instance of it) has none;
+    ``packed``: a MAC layer's scale/bias table in packed records (:class:`MacProgram`)."""
     build = ROW_PROGRAMS.get(p.op)
-    return None if build is None else build(p, prepared, sources)
+    program = None if build is None else build(p, prepared, sources)
+    if packed and isinstance(program, MacProgram):
+        program = MacProgram(program.opcode, p, prepared, packed=True)
+    return program
 
 
 def channel_tile(program: RowProgram, budget: int, lanes: int) -> int:

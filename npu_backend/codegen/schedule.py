@@ -118,6 +118,11 @@ class ScheduleOptions:
     streamed_tiles: bool = False
     """Layers whose constants take longer to move than to compute run in smaller channel tiles
     (:data:`STREAMED_TILE_FRACTION`)."""
+    packed_records: bool = True
+    """MAC layers' scale/bias tables in 9-byte records where their rounding allows (a quarter fewer bytes to
+    move and hold; format 2.5), else 12-byte ones. Fewer bytes are not always a shorter makespan: the
+    prefetch heuristics place differently around them, so the lowering tries the winning variant with
+    12-byte records too (:func:`npu_backend.codegen.graph.lower_graph`)."""
 
 
 class RegionScheduler:

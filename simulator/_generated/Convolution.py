@@ -169,7 +169,14 @@ class Convolution(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 0
 
-def ConvolutionStart(builder): builder.StartObject(19)
+    # Convolution
+    def ScaleBiasRecord(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(42))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
+        return 12
+
+def ConvolutionStart(builder): builder.StartObject(20)
 def Start(builder):
     return ConvolutionStart(builder)
 def ConvolutionAddIfm(builder, ifm): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(ifm), 0)
@@ -229,6 +236,9 @@ def AddActMax(builder, actMax):
 def ConvolutionAddRounding(builder, rounding): builder.PrependUint8Slot(18, rounding, 0)
 def AddRounding(builder, rounding):
     return ConvolutionAddRounding(builder, rounding)
+def ConvolutionAddScaleBiasRecord(builder, scaleBiasRecord): builder.PrependUint8Slot(19, scaleBiasRecord, 12)
+def AddScaleBiasRecord(builder, scaleBiasRecord):
+    return ConvolutionAddScaleBiasRecord(builder, scaleBiasRecord)
 def ConvolutionEnd(builder): return builder.EndObject()
 def End(builder):
     return ConvolutionEnd(builder)
