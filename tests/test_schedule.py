@@ -328,7 +328,8 @@ def test_the_tail_policy_fills_sram_with_the_classifiers_weights_before_it_start
     they take to compute (the 1280 x 1001 classifier above all). The ``tail`` policy loads the earlier layers'
     constants just in time, above the maps, so that more of the tail's constants are in SRAM when its first
     layer starts than with ``above`` (which prefetches in order of use), and the stream ends earlier; both
-    compute TFLite's outputs exactly. Constant buffers are named ``<layer>.constants`` by the emitter."""
+    compute TFLite's outputs exactly. Constant buffers are named ``<layer>.constants`` by the emitter. Where the
+    classifier streams its weights, ``tail`` moves two tiles per DMA command (one latency instead of two)."""
     import npu_backend
     from conftest import FIXTURES
     from npu_backend.codegen.lower import npu_regions, region_graph
@@ -354,10 +355,61 @@ def test_the_tail_policy_fills_sram_with_the_classifiers_weights_before_it_start
                      if c.opcode == Opcode.DMA_COPY and c.payload.src_space == 0
                      and stream.buffers[c.payload.src_buffer].name.removesuffix(".constants") in tail
                      and s.start + s.cycles <= start)
-        return stats.total_cycles, loaded
+        classifier = [c.payload.row_bytes for c in stream.commands if c.opcode == Opcode.DMA_COPY
+                      and c.payload.src_space == 0 and stream.buffers[c.payload.src_buffer].name == f"{names[-1]}.constants"]
+        return stats.total_cycles, loaded, classifier
 
-    tail_cycles, tail_loaded = run("tail")
-    above_cycles, above_loaded = run("above")
+    tail_cycles, tail_loaded, tail_moves = run("tail")
+    above_cycles, above_loaded, above_moves = run("above")
+    # the classifier's 16-channel tiles (63, the last of 8 channels): tail pairs most of them into one DMA
+    # command each; here the last load moves one tile, so only one tile's compute follows it
+    chunk = max(above_moves)
+    assert len(above_moves) == 63 and sum(above_moves) == sum(tail_moves)
+    assert len(tail_moves) < 40 and max(tail_moves) == 2 * chunk and tail_moves[-1] <= chunk
     assert tail_loaded > above_loaded, (tail_loaded, above_loaded)
     assert tail_loaded > 0.75 * NPU_256.sram_bytes
     assert tail_cycles < above_cycles, (tail_cycles, above_cycles)
+
+
+def test_channel_tiles_lie_last_first_in_dram():
+    """Tiles are packed in DRAM in reverse order (the policies fill SRAM from the top down, so a tile placed just
+    below the one before it lies just below it in DRAM too); each tile's chunk holds its own channels' weights
+    then their scale/bias records, the last tile padded to a whole chunk."""
+    from npu_backend.codegen.programs import row_program
+    from npu_backend.codegen.steps import constant_layout, packed_constants, tile_offset
+    from npu_backend.legality import check
+    from npu_backend.ops import op_def
+
+    p = random_params(np.random.default_rng(8), NpuOp.FULLY_CONNECTED, (1, 40), out_channels=40)
+    _, _, prepared = check(op_def(p.op), p, NPU_256)
+    program = row_program(p, prepared, [None], packed=True)
+    chunk = constant_layout(program, 16, NPU_256.sram_align)[1]
+    data = packed_constants(program, 16, NPU_256.sram_align)
+    assert len(data) == 3 * chunk
+    assert [tile_offset(program, 16, c0, NPU_256.sram_align) for c0 in (0, 16, 32)] == [2 * chunk, chunk, 0]
+    weights = np.asarray(p.weights, np.int8)
+    for c0, count in ((0, 16), (16, 16), (32, 8)):
+        at = tile_offset(program, 16, c0, NPU_256.sram_align)
+        assert data[at:at + count * 40] == weights[c0:c0 + count].tobytes()
+        records = program.constants[1].data[c0 * 9:(c0 + count) * 9]
+        assert data[at + count * 40:at + count * 40 + count * 9] == records
+
+
+def test_constant_loads_next_to_each_other_in_dram_and_sram_merge_into_one():
+    from npu_backend.codegen.emitter import coalesced
+    from npu_backend.codegen.steps import ConstantsOf, Load
+
+    def load(key, offset, address, size=100):
+        sram = SramBuffer(f"b{address}", size)
+        sram.address = address
+        return Load(key, offset, sram, 0, size)
+
+    fc, other = ConstantsOf(3, 16), ConstantsOf(4, 16)
+    below = coalesced([load(fc, 200, 1000), load(fc, 100, 900), load(fc, 0, 700)])  # the third is not next to it
+    assert [(m.offset, m.sram.address, m.row_bytes) for m in below] == [(100, 900, 200), (0, 700, 100)]
+    above = coalesced([load(fc, 0, 500), load(fc, 100, 600)])
+    assert [(m.offset, m.sram.address, m.row_bytes) for m in above] == [(0, 500, 200)]
+    apart = [load(fc, 200, 1000), load(other, 100, 900)], [load(fc, 200, 1000), load(fc, 100, 800)], \
+        [load(5, 200, 1000), load(5, 100, 900)]  # another layer's tile; not next in SRAM; a map's rows
+    for loads in apart:
+        assert coalesced(loads) == loads

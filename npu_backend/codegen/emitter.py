@@ -8,13 +8,14 @@ next stripe's loads come before this stripe's stores, and each engine keeps its 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import defaultdict
 
 from simulator.isa import BufferKind
 
 from .emit import StreamBuilder
 from .programs import Operand
-from .steps import ConstantsOf, Load, Schedule, Store, Value, packed_constants
+from .steps import ConstantsOf, Load, Schedule, Store, Value, is_constant, packed_constants
 
 
 def emit_schedule(sb: StreamBuilder, schedule: Schedule, values: list[Value]) -> None:
@@ -50,7 +51,7 @@ def emit_schedule(sb: StreamBuilder, schedule: Schedule, values: list[Value]) ->
         issued[j].extend(loads)
     for j, step in enumerate(schedule.steps):
         layer = step.layer
-        for load in issued[j]:
+        for load in coalesced(issued[j]):
             sb.dma(layer.name, dram(load.buffer), load.offset, load.sram.address + load.sram_offset, load.row_bytes,
                    load.rows, load.dram_stride, load.sram_stride)
         if step.opaque:
@@ -65,6 +66,27 @@ def emit_schedule(sb: StreamBuilder, schedule: Schedule, values: list[Value]) ->
             [c.sram.address + c.offset for c in step.constants]))
         for store in step.stores:
             _store(sb, layer.name, store, dram(store.buffer))
+
+
+def coalesced(loads: list[Load]) -> list[Load]:
+    """The loads with each run of consecutive constant loads that lie next to one another both in DRAM and in
+    SRAM, in the same order (the tail policy pairs a streamed layer's tiles so:
+    :meth:`npu_backend.codegen.prefetch._TailWalk.pair`), merged into one. The DMA engine runs them back to
+    back anyway, so the merged load ends when the last of them would have and pays one latency instead of
+    one each; only the first one's readers wait longer, for bytes that were next in the queue."""
+    merged: list[Load] = []
+    for load in loads:
+        last = merged[-1] if merged else None
+        if last is not None and is_constant(load) and load.buffer == last.buffer and load.rows == last.rows == 1:
+            here, there = load.sram.address + load.sram_offset, last.sram.address + last.sram_offset
+            if load.offset + load.row_bytes == last.offset and here + load.row_bytes == there:  # just below
+                merged[-1] = dataclasses.replace(load, row_bytes=load.row_bytes + last.row_bytes)
+                continue
+            if last.offset + last.row_bytes == load.offset and there + last.row_bytes == here:  # just above
+                merged[-1] = dataclasses.replace(last, row_bytes=last.row_bytes + load.row_bytes)
+                continue
+        merged.append(load)
+    return merged
 
 
 def _store(sb: StreamBuilder, layer: str, store: Store, buffer: int) -> None:

@@ -301,7 +301,10 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
                 b = steps[j].loads[k].sram
                 for t in range(max(0, issue[(j, k)] - HEAD_LOOKAHEAD), b.last + 1):
                     band[t] += align_up(b.size, align)
-        moves = _TailWalk(config, steps, comp, maps, band).run(regular, keys, issue, cycles, first_tail)
+        for pairs in (True, False):  # tiles paired into one DMA hold SRAM a step earlier; without, if that fails
+            moves = _TailWalk(config, steps, comp, maps, band, pairs).run(regular, keys, issue, cycles, first_tail)
+            if moves is not None:
+                break
     if moves is None:
         for b, first, address in saved:
             b.first, b.address = first, address
@@ -318,8 +321,9 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
 class _TailWalk:
     """The two engines walked through the steps for :func:`prefetch_tail`, placing every constant."""
 
-    def __init__(self, config: NpuConfig, steps: list[Step], comp: list[int], maps: list, band: list[int]):
-        self.config, self.steps, self.comp, self.maps, self.band = config, steps, comp, maps, band
+    def __init__(self, config: NpuConfig, steps: list[Step], comp: list[int], maps: list, band: list[int],
+                 pairs: bool):
+        self.config, self.steps, self.comp, self.maps, self.band, self.pairs = config, steps, comp, maps, band, pairs
         self.high = high_water(maps, len(steps))
         self.end = [0] * len(steps)  # each step's compute end, once walked
         self.placed: list[tuple[int, int, int, int]] = []  # (address, size, first step, last step)
@@ -331,6 +335,7 @@ class _TailWalk:
         steps, config = self.steps, self.config
         constant = set(keys)
         moves, early, done = [], set(), {}
+        position = {key: i for i, key in enumerate(keys)}
         dma = compute = 0
         head = 0
         for t in range(len(steps)):
@@ -348,6 +353,8 @@ class _TailWalk:
                     start = max(dma, self.released(load.sram))
                 dma = start + dma_cycles(config, load.row_bytes, load.rows)
                 done[(j, k)] = dma
+                if (j, k) in constant and j >= first_tail:
+                    dma = self.paired(t, (j, k), got[0], keys, position, issue, early, cycles, done, moves, dma)
             compute = self.end[t] = max([compute] + [done.get((t, k), 0) for k in range(len(steps[t].loads))]) \
                 + self.comp[t]
             while head < len(keys) and issue[keys[head]] <= t + 1:
@@ -367,6 +374,8 @@ class _TailWalk:
                 done[(j, k)] = dma
                 early.add((j, k))
                 moves.append((steps[j], k, t, got[0]))
+                if j >= first_tail:
+                    dma = self.paired(t, (j, k), got[0], keys, position, issue, early, cycles, done, moves, dma)
             for store in steps[t].stores:
                 dma = max(dma, compute) + dma_cycles(config, store.row_bytes, store.rows)
         return moves
@@ -379,11 +388,44 @@ class _TailWalk:
             self._reused[id(buffer)] = self.end[max(before)] if before else 0
         return self._reused[id(buffer)]
 
+    def paired(self, t: int, key, address: int, keys, position, issue, early: set, cycles, done, moves,
+               dma: int) -> int:
+        """Emit with ``key`` (placed at ``address`` during step ``t``) the tile :meth:`pair` finds for it, if any;
+        returns when the DMA engine is free again."""
+        pair = self.pair(t, keys, position[key], issue, early, address, dma) if self.pairs else None
+        if pair is None:
+            return dma
+        key, address, start = pair
+        early.add(key)
+        moves.append((self.steps[key[0]], key[1], t, address))
+        done[key] = max(dma, start) + cycles[key] - self.config.dram_latency_cycles  # one command: one latency
+        return done[key]
+
+    def pair(self, t: int, keys, i: int, issue, early: set, address: int, now: int):
+        """The load to emit with the tail constant ``keys[i]``, just placed at ``address`` during step ``t``, as one
+        DMA command (:func:`npu_backend.codegen.emitter.coalesced`): the next tile of the same layer, which lies
+        just below it in DRAM (:func:`npu_backend.codegen.steps.tile_offset`), placed just below it in SRAM if
+        those bytes are free from ``t`` on. A layer that streams its weights at the DMA's pace then pays one
+        latency per two tiles. The region's last constant load is never paired (only the compute of what it
+        loads follows it). Returns (key, address, when it can start) or None."""
+        if i + 2 >= len(keys):
+            return None
+        (j, k), (j2, k2) = keys[i], keys[i + 1]
+        load, other = self.steps[j].loads[k], self.steps[j2].loads[k2]
+        if (j2, k2) in early or issue[(j2, k2)] <= t or other.buffer != load.buffer or load.rows != 1 \
+                or other.rows != 1 or other.offset + other.row_bytes != load.offset \
+                or any(self.steps[u].opaque for u in range(t, issue[(j2, k2)])):
+            return None
+        got = self.place(t, other.sram, now, now, low=False, reserve=False, must=False,
+                         at=address - other.row_bytes)
+        return None if got is None else ((j2, k2), *got)
+
     def place(self, t: int, buffer, now: int, horizon: int, low: bool, reserve: bool,
-              must: bool) -> tuple[int, int] | None:
+              must: bool, at: int | None = None) -> tuple[int, int] | None:
         """(address, when its load can start) for ``buffer`` held from step ``t`` to its last use, lowest or
-        highest first; bytes whose last reader ends after ``horizon`` count as taken (``must``: else as free,
-        and the load waits for them). ``now``: when the DMA engine is free; ``reserve``: keep the band."""
+        highest first (or at ``at`` alone); bytes whose last reader ends after ``horizon`` count as taken
+        (``must``: else as free, and the load waits for them). ``now``: when the DMA engine is free;
+        ``reserve``: keep the band."""
         end, high, last, size = self.end, self.high, buffer.last, buffer.size
         fit = _lowest if low else _highest
         u = t - 1
@@ -391,7 +433,12 @@ class _TailWalk:
             u -= 1
         taken = [p for p in self.placed if (p[3] >= t and p[2] <= last) or (p[3] < t and end[p[3]] > horizon)]
         floor = max(high[u + 1:last + 1]) + (max(self.band[t:last + 1]) if reserve else 0)
-        address = fit(self.config, taken, floor, size)
+        if at is not None:
+            clear = at >= align_up(floor, self.config.sram_align) and at + size <= self.config.sram_bytes \
+                and all(other + other_size <= at or at + size <= other for other, other_size, *_ in taken)
+            address = at if clear else None
+        else:
+            address = fit(self.config, taken, floor, size)
         if address is None and must:
             taken = [p for p in self.placed if p[3] >= t and p[2] <= last]
             address = fit(self.config, taken, max(high[t:last + 1]), size)

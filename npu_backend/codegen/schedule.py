@@ -46,7 +46,7 @@ from .allocate import SramBuffer, align_up, allocate
 from .prefetch import PREFETCH_POLICIES, dma_cycles
 from .programs import MacProgram, MeanProgram, Operand, PoolProgram, Window, channel_tile, tiles
 from .steps import (ConstantsOf, Layer, Load, Schedule, ScheduleError, Slice, Step, Store, Value, constant_layout,
-                    is_constant, scratch_id)
+                    is_constant, scratch_id, tile_offset)
 
 STREAM_FRACTION = 3
 """A map larger than ``sram_bytes / STREAM_FRACTION`` is cascaded rather than kept whole."""
@@ -433,8 +433,8 @@ class RegionScheduler:
         tile = self._tile_of.get(layer.index, layer.program.out.channels)
         offsets, size = constant_layout(layer.program, ct, self.config.sram_align)
         sram = self._buffer(f"{layer.name}.constants{c0}", size)
-        chunk = constant_layout(layer.program, tile, self.config.sram_align)[1]
-        load = Load(ConstantsOf(layer.index, tile), c0 // tile * chunk, sram, 0, size)
+        load = Load(ConstantsOf(layer.index, tile), tile_offset(layer.program, tile, c0, self.config.sram_align),
+                    sram, 0, size)
         return [Slice(sram, offset) for offset in offsets], [load]
 
     def _group(self, members: list[int], rows: int, strategy: Strategy) -> None:

@@ -136,7 +136,8 @@ def constant_layout(program: RowProgram, channels: int, align: int) -> tuple[lis
 
 
 def packed_constants(program: RowProgram, tile: int, align: int) -> bytes:
-    """The layer's constants in DRAM, tile after tile, each tile laid out as :func:`constant_layout` says."""
+    """The layer's constants in DRAM, one chunk per tile, each laid out as :func:`constant_layout` says and
+    padded to a whole tile's size, the *last tile first* (:func:`tile_offset`)."""
     chunks = []
     for c0, ct in tiles(program.out.channels, tile):
         offsets, size = constant_layout(program, ct, align)
@@ -146,7 +147,16 @@ def packed_constants(program: RowProgram, tile: int, align: int) -> bytes:
                     if constant.per_channel else constant.data)
             chunk[offset:offset + len(part)] = part
         chunks.append(bytes(chunk))
-    return b"".join(chunks)
+    return b"".join(reversed(chunks))
+
+
+def tile_offset(program: RowProgram, tile: int, c0: int, align: int) -> int:
+    """Where the tile of output channels from ``c0`` starts in :func:`packed_constants`. Tiles lie in DRAM in
+    reverse order because the deep-prefetch policies fill SRAM from the top down: a tile placed just below the
+    one before it then lies just below it in DRAM too, and one DMA command moves both
+    (:func:`npu_backend.codegen.emitter.coalesced`)."""
+    count = -(-program.out.channels // tile)
+    return (count - 1 - c0 // tile) * constant_layout(program, tile, align)[1]
 
 
 def scratch_id(value: int) -> int:
