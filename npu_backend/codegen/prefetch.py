@@ -11,6 +11,8 @@ lowering tries each (:data:`npu_backend.codegen.schedule.SCHEDULE_VARIANTS`).
 
 from __future__ import annotations
 
+import math
+
 from simulator.config import NpuConfig
 from simulator.opcodes import opcode_def
 
@@ -359,6 +361,10 @@ class _TailWalk:
                 + self.comp[t]
             while head < len(keys) and issue[keys[head]] <= t + 1:
                 head += 1  # emitted at most a step later anyway
+            # a load hoisted now runs before the maps the next window loads, so it must end by the time they could
+            # start (their bytes' last reader has ended) or the step they feed waits for it
+            deadline = max(compute, min([self.released(steps[j].loads[k].sram) for j, k in regular.get(t + 1, [])
+                                         if (j, k) not in constant] or [math.inf]))
             for j, k in keys[head:]:
                 if dma >= compute or steps[t].opaque:
                     break
@@ -367,7 +373,7 @@ class _TailWalk:
                         or any(steps[u].opaque for u in range(t, w)):
                     continue
                 got = self.place(t, steps[j].loads[k].sram, dma, compute, low=j < first_tail,
-                                 reserve=j >= first_tail, must=False)
+                                 reserve=j >= first_tail, must=False, latest=deadline - cycles[(j, k)])
                 if got is None:
                     continue
                 dma = got[1] + cycles[(j, k)]
@@ -421,11 +427,11 @@ class _TailWalk:
         return None if got is None else ((j2, k2), *got)
 
     def place(self, t: int, buffer, now: int, horizon: int, low: bool, reserve: bool,
-              must: bool, at: int | None = None) -> tuple[int, int] | None:
+              must: bool, at: int | None = None, latest: float = math.inf) -> tuple[int, int] | None:
         """(address, when its load can start) for ``buffer`` held from step ``t`` to its last use, lowest or
         highest first (or at ``at`` alone); bytes whose last reader ends after ``horizon`` count as taken
         (``must``: else as free, and the load waits for them). ``now``: when the DMA engine is free;
-        ``reserve``: keep the band."""
+        ``reserve``: keep the band; ``latest``: None if the load could not start by then."""
         end, high, last, size = self.end, self.high, buffer.last, buffer.size
         fit = _lowest if low else _highest
         u = t - 1
@@ -453,6 +459,8 @@ class _TailWalk:
                 break
             if high[u] > address:
                 start = max(start, end[u])
+        if start > latest:
+            return None
         self.placed.append((address, size, t, last))
         return address, start
 
