@@ -127,3 +127,26 @@ def conv_constants(channels: int = 16, count: int = 2) -> tuple[bytes, list[byte
     table = np.stack([np.zeros(channels), np.full(channels, 1 << 30), np.full(channels, -8)], 1).astype("<i4")
     return table.tobytes(), [rng.integers(-3, 4, (channels, 1, 1, channels), dtype=np.int8).tobytes()
                              for _ in range(count)]
+
+
+def check_format_gate(monkeypatch, stream: CommandStream, since: str, older: tuple[int, int], refused: str,
+                      undefined: str) -> None:
+    """A stream using what format ``simulator.stream.<since>`` added: it round-trips in the current format; the
+    encoder refuses to write it as ``older`` (``refused``, a regex); and a stream a wrong writer forged in
+    ``older`` anyway is refused by the decoder (``undefined``)."""
+    import pytest
+
+    import simulator.stream
+    from simulator import StreamError
+    from simulator.stream import decode_stream, encode_stream
+
+    decoded = decode_stream(encode_stream(stream))
+    assert decoded == stream and decoded.version >= getattr(simulator.stream, since)
+    old = dataclasses.replace(stream, version=older)
+    with pytest.raises(StreamError, match=refused):
+        encode_stream(old)
+    monkeypatch.setattr(simulator.stream, since, older)  # a writer that wrongly thought ``older`` had it
+    forged = encode_stream(old)
+    monkeypatch.undo()
+    with pytest.raises(StreamError, match=undefined):
+        decode_stream(forged)
