@@ -276,7 +276,10 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
     them (lowest first), at most :data:`HEAD_LOOKAHEAD` steps early; the tail's go from the top of SRAM
     down, over a band kept for the earlier layers' constants, whenever the DMA engine would idle. The walk
     knows when each step's compute ends (the cycle model), so it places a load on bytes whose last reader
-    has ended by then, or counts the wait when nothing else is free. A constant load that finds no room at
+    has ended by then, or counts the wait when nothing else is free; it hoists nothing that would still be
+    loading when the next step's maps could start to load, and it pairs a streamed layer's tiles into one DMA
+    command where SRAM has room for the second just below the first (:meth:`_TailWalk.pair`; if pairing
+    leaves a later constant no room, the walk runs again without it). A constant load that finds no room at
     its own issue leaves the schedule as the allocation made it (no deep prefetch), as does a tail whose
     constants fit SRAM whole (it streams nothing; the other policies keep such a region low in SRAM)."""
     steps, sram, align = schedule.steps, config.sram_bytes, config.sram_align
