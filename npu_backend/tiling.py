@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from simulator.config import NpuConfig
-from simulator.isa import ACTIVATION_FORMATS, SCALE_BIAS_WORDS, conv_output_size
+from simulator.isa import ACTIVATION_FORMATS, WORD_RECORD, conv_output_size
 from simulator.numerics import Rounding
 from simulator.resize import ONE, source_rows
 
@@ -88,7 +88,7 @@ class LayerGeometry:
         return channels * per_channel
 
     def scale_bias_bytes(self, channels: int) -> int:
-        return channels * SCALE_BIAS_WORDS * 4 if self.has_weights else 0
+        return channels * WORD_RECORD if self.has_weights else 0
 
 
 @dataclass(frozen=True)

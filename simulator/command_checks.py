@@ -17,7 +17,7 @@ from .elementwise import unused_fields
 from .errors import StreamError
 from .isa import (DOUBLE_SCALE_ROUNDINGS, SCALE_BIAS_RECORDS, ActivationType, BufferKind, CommandStream, Convolution,
                   DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax,
-                  TableLookup, conv_output_size, scale_bias_bytes, weight_shape)
+                  TableLookup, WORD_RECORD, conv_output_size, scale_bias_bytes, weight_shape)
 from .numerics import INT32_MAX, Rounding
 from .resize import ONE, ROUNDINGS
 
@@ -91,7 +91,7 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
     if conv.scale_bias_record not in SCALE_BIAS_RECORDS:
         raise StreamError(f"{where}: scale/bias records of {conv.scale_bias_record} bytes; a record takes "
                           + " or ".join(f"{size} ({layout})" for size, layout in SCALE_BIAS_RECORDS.items()))
-    if conv.scale_bias_record != 12 and conv.rounding in DOUBLE_SCALE_ROUNDINGS:
+    if conv.scale_bias_record != WORD_RECORD and conv.rounding in DOUBLE_SCALE_ROUNDINGS:
         raise StreamError(f"{where}: rounding {conv.rounding.name} keeps a float64 scale per channel, which needs "
                           f"12-byte scale/bias records, not {conv.scale_bias_record}")
     if conv.scale_bias_address % 4:

@@ -59,6 +59,12 @@ DEPS_SINCE = (2, 4)
 RECORD_SINCE = (2, 5)
 """The format that added ``Convolution.scale_bias_record``."""
 
+SCALE_BIAS_WORDS = 3
+"""Words per output channel of a decoded scale/bias table (:func:`scale_bias_words`): bias, multiplier, shift."""
+
+WORD_RECORD = SCALE_BIAS_WORDS * 4
+"""Bytes of the scale/bias record every format reads: three int32 words (what a stream before 2.5 holds)."""
+
 
 class ActivationType(IntEnum):
     """Element type of a feature map; values are the stream's ``ActivationType`` (format 2.3)."""
@@ -196,7 +202,7 @@ class Convolution:
     act_min: int = -128
     act_max: int = 127
     rounding: Rounding = Rounding.TFLITE_DOUBLE
-    scale_bias_record: int = 12
+    scale_bias_record: int = WORD_RECORD
     """Bytes of each output channel's scale/bias record (:data:`SCALE_BIAS_RECORDS`, format 2.5)."""
 
 
@@ -356,9 +362,6 @@ class MatMul:
     adj_y: bool = False
 
 
-SCALE_BIAS_WORDS = 3
-"""Words per output channel of a decoded scale/bias table (:func:`scale_bias_words`): bias, multiplier, shift."""
-
 DOUBLE_SCALE_ROUNDINGS = (Rounding.FLOAT64, Rounding.ONNXRUNTIME)
 """Modes whose scale/bias table holds a float64 scale per channel instead of (multiplier, shift)."""
 
@@ -366,14 +369,14 @@ PACKED_RECORD = np.dtype([("bias", "<i4"), ("multiplier", "<i4"), ("shift", "i1"
 """The 9-byte record (format 2.5): what TFLite's fixed-point output stage needs per channel, unpadded. Ethos-U
 packs its scale/bias records likewise (10 bytes: a 40-bit bias, a 32-bit scale, a 6-bit shift)."""
 
-SCALE_BIAS_RECORDS = {12: "three int32 words", PACKED_RECORD.itemsize: "int32 bias, int32 multiplier, int8 shift"}
+SCALE_BIAS_RECORDS = {WORD_RECORD: "three int32 words", PACKED_RECORD.itemsize: "int32 bias, int32 multiplier, int8 shift"}
 """Bytes per output channel a scale/bias record may take -> its layout (command_stream.fbs)."""
 
 
 def scale_bias_record(rounding: Rounding) -> int:
     """The record the codegen writes for ``rounding``: packed where the shift fits a byte, the three words where
     the last two hold a float64 scale."""
-    return 12 if rounding in DOUBLE_SCALE_ROUNDINGS else PACKED_RECORD.itemsize
+    return WORD_RECORD if rounding in DOUBLE_SCALE_ROUNDINGS else PACKED_RECORD.itemsize
 
 
 def scale_bias_bytes(conv: Convolution) -> int:
@@ -384,7 +387,7 @@ def scale_bias_bytes(conv: Convolution) -> int:
 def scale_bias_words(raw: np.ndarray, conv: Convolution) -> np.ndarray:
     """The ``[OC, SCALE_BIAS_WORDS]`` int32 words of a table's bytes (``raw``: uint8, :func:`scale_bias_bytes`
     of them), whatever its record: a view for 12-byte records, a new array for packed ones."""
-    if conv.scale_bias_record == 12:
+    if conv.scale_bias_record == WORD_RECORD:
         return raw.view("<i4").reshape(conv.ofm.channels, SCALE_BIAS_WORDS)
     records = raw.view(PACKED_RECORD)
     return np.stack([records["bias"], records["multiplier"], records["shift"].astype(np.int32)], axis=1)
@@ -393,7 +396,7 @@ def scale_bias_words(raw: np.ndarray, conv: Convolution) -> np.ndarray:
 def pack_scale_bias(words: np.ndarray, record: int) -> bytes:
     """The table's bytes in ``record``-byte records from its ``[OC, SCALE_BIAS_WORDS]`` int32 words."""
     words = np.asarray(words, dtype="<i4")
-    if record == 12:
+    if record == WORD_RECORD:
         return words.tobytes()
     if np.any(words[:, 2] < -128) or np.any(words[:, 2] > 127):
         raise StreamError("a shift does not fit the packed record's byte")

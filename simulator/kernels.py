@@ -72,8 +72,6 @@ def _read(state: MachineState, address: int, shape: tuple[int, ...], dtype) -> n
     return state.sram[address:address + count].view(dtype).reshape(shape)
 
 
-
-
 MAC_CHUNK = 1 << 18
 """Outputs a batched MAC command computes at a time: its float64 sums then fit buffers the allocator reuses."""
 

@@ -44,7 +44,7 @@ from .config import NpuConfig, get_config
 from .errors import ConfigError, StreamError
 from .isa import (DEPS_SINCE, DTYPE_SINCE, READABLE_MAJORS, RECORD_SINCE, ActivationType, Buffer, BufferKind, Command,
                   CommandStream, Convolution, DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling,
-                  Reduction, Resize, Softmax, TableLookup, feature_maps)
+                  Reduction, Resize, Softmax, TableLookup, WORD_RECORD, feature_maps)
 from .numerics import ACCUMULATOR_OVERFLOWS, Rounding
 from .opcodes import opcode_def
 
@@ -89,7 +89,7 @@ def _int16_feature_map(commands) -> str | None:
 def _packed_record(commands) -> str | None:
     """The first command whose scale/bias records are not 12 bytes (format 2.5), as ``command i (OPCODE)``."""
     for index, command in enumerate(commands):
-        if isinstance(command.payload, Convolution) and command.payload.scale_bias_record != 12:
+        if isinstance(command.payload, Convolution) and command.payload.scale_bias_record != WORD_RECORD:
             return f"command {index} ({command.opcode.name})"
     return None
 

@@ -16,7 +16,7 @@ import numpy as np
 
 from simulator.config import NpuConfig
 from simulator.hazards import dependencies
-from simulator.isa import SCALE_BIAS_WORDS, BufferKind, CommandStream, Convolution
+from simulator.isa import WORD_RECORD, BufferKind, CommandStream, Convolution
 from simulator.timeline import schedule
 
 from ..errors import UnsupportedOpError
@@ -148,7 +148,7 @@ def _stream(sb: StreamBuilder, config: NpuConfig, name: str, serial: bool = Fals
 
 def _packed(stream: CommandStream) -> bool:
     """Whether a MAC command of the stream reads packed scale/bias records."""
-    return any(isinstance(c.payload, Convolution) and c.payload.scale_bias_record != SCALE_BIAS_WORDS * 4
+    return any(isinstance(c.payload, Convolution) and c.payload.scale_bias_record != WORD_RECORD
                for c in stream.commands)
 
 
@@ -165,9 +165,10 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
 
     ``word_records``: when the winner reads packed scale/bias records, it is also tried with 12-byte ones and
     the shorter kept (:attr:`ScheduleOptions.packed_records`); False keeps exactly the variants given."""
-    best, schedulers, inputs = None, {}, {}
-    tried = list(variants) if scheduled else []
-    for options in tried:  # grows by one: the winner with 12-byte records (ScheduleOptions.packed_records)
+    schedulers, inputs = {}, {}
+
+    def emitted(options: ScheduleOptions) -> StreamBuilder | None:
+        """The region scheduled with ``options`` as commands; None if it does not fit (nor will any variant)."""
         if options.packed_records not in inputs:
             inputs[options.packed_records] = _scheduler_inputs(
                 graph, config, _region_buffers(StreamBuilder(config), graph), options.packed_records)
@@ -178,19 +179,33 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
         try:
             plan = scheduler.run()
         except ScheduleError:
-            break
+            return None
         sb = StreamBuilder(config)
         _region_buffers(sb, graph)  # the same buffer indices as the values were given
         emit_schedule(sb, plan, values)
-        if serial:
-            return _stream(sb, config, name, serial=True)
+        return sb
+
+    best = None  # (cycles, stream, options)
+
+    def keep(sb: StreamBuilder, options: ScheduleOptions) -> None:
+        nonlocal best
         stream = _stream(sb, config, name)
         cycles = max((slot.end for slot in schedule(stream, config)), default=0)
         if best is None or cycles < best[0]:
             best = (cycles, stream, options)
-        if word_records and options is tried[-1] and options.packed_records and best[2].packed_records \
-                and _packed(best[1]):
-            tried.append(dataclasses.replace(best[2], packed_records=False))
+
+    for options in variants if scheduled else ():
+        sb = emitted(options)
+        if sb is None:
+            break
+        if serial:
+            return _stream(sb, config, name, serial=True)
+        keep(sb, options)
+    if word_records and best is not None and best[2].packed_records and _packed(best[1]):
+        words = dataclasses.replace(best[2], packed_records=False)
+        sb = emitted(words)
+        if sb is not None:
+            keep(sb, words)
     if best is not None:
         return best[1]
     return _stream(lower_through_dram(graph, config), config, name, serial=serial)

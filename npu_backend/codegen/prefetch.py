@@ -339,8 +339,9 @@ class _TailWalk:
         :func:`emitted_at`, ``issue`` its inverse); None when one finds no room at its own issue."""
         steps, config = self.steps, self.config
         constant = set(keys)
-        moves, early, done = [], set(), {}
-        position = {key: i for i, key in enumerate(keys)}
+        moves, early, done = self.moves, self.early, self.done = [], set(), {}
+        self.keys, self.issue, self.cycles = keys, issue, cycles
+        self.position = {key: i for i, key in enumerate(keys)}
         dma = compute = 0
         head = 0
         for t in range(len(steps)):
@@ -359,7 +360,7 @@ class _TailWalk:
                 dma = start + dma_cycles(config, load.row_bytes, load.rows)
                 done[(j, k)] = dma
                 if (j, k) in constant and j >= first_tail:
-                    dma = self.paired(t, (j, k), got[0], keys, position, issue, early, cycles, done, moves, dma)
+                    dma = self.pair(t, (j, k), got[0], dma)
             compute = self.end[t] = max([compute] + [done.get((t, k), 0) for k in range(len(steps[t].loads))]) \
                 + self.comp[t]
             while head < len(keys) and issue[keys[head]] <= t + 1:
@@ -384,7 +385,7 @@ class _TailWalk:
                 early.add((j, k))
                 moves.append((steps[j], k, t, got[0]))
                 if j >= first_tail:
-                    dma = self.paired(t, (j, k), got[0], keys, position, issue, early, cycles, done, moves, dma)
+                    dma = self.pair(t, (j, k), got[0], dma)
             for store in steps[t].stores:
                 dma = max(dma, compute) + dma_cycles(config, store.row_bytes, store.rows)
         return moves
@@ -397,37 +398,30 @@ class _TailWalk:
             self._reused[id(buffer)] = self.end[max(before)] if before else 0
         return self._reused[id(buffer)]
 
-    def paired(self, t: int, key, address: int, keys, position, issue, early: set, cycles, done, moves,
-               dma: int) -> int:
-        """Emit with ``key`` (placed at ``address`` during step ``t``) the tile :meth:`pair` finds for it, if any;
-        returns when the DMA engine is free again."""
-        pair = self.pair(t, keys, position[key], issue, early, address, dma) if self.pairs else None
-        if pair is None:
+    def pair(self, t: int, key, address: int, dma: int) -> int:
+        """Emit with the tail constant ``key``, just placed at ``address`` during step ``t``, the next tile of the
+        same layer as one DMA command (:func:`npu_backend.codegen.emitter.coalesced`): it lies just below ``key``
+        in DRAM (:func:`npu_backend.codegen.steps.tile_offset`), so it goes just below it in SRAM, if those bytes
+        are free from ``t`` on. A layer that streams its weights at the DMA's pace then pays one latency per two
+        tiles. The region's last constant load is never paired (only the compute of what it loads follows it).
+        ``dma``: when the DMA engine is free; returns when it is free again."""
+        keys, issue, i = self.keys, self.issue, self.position[key]
+        if not self.pairs or i + 2 >= len(keys):
             return dma
-        key, address, start = pair
-        early.add(key)
-        moves.append((self.steps[key[0]], key[1], t, address))
-        done[key] = max(dma, start) + cycles[key] - self.config.dram_latency_cycles  # one command: one latency
-        return done[key]
-
-    def pair(self, t: int, keys, i: int, issue, early: set, address: int, now: int):
-        """The load to emit with the tail constant ``keys[i]``, just placed at ``address`` during step ``t``, as one
-        DMA command (:func:`npu_backend.codegen.emitter.coalesced`): the next tile of the same layer, which lies
-        just below it in DRAM (:func:`npu_backend.codegen.steps.tile_offset`), placed just below it in SRAM if
-        those bytes are free from ``t`` on. A layer that streams its weights at the DMA's pace then pays one
-        latency per two tiles. The region's last constant load is never paired (only the compute of what it
-        loads follows it). Returns (key, address, when it can start) or None."""
-        if i + 2 >= len(keys):
-            return None
-        (j, k), (j2, k2) = keys[i], keys[i + 1]
-        load, other = self.steps[j].loads[k], self.steps[j2].loads[k2]
-        if (j2, k2) in early or issue[(j2, k2)] <= t or other.buffer != load.buffer or load.rows != 1 \
-                or other.rows != 1 or other.offset + other.row_bytes != load.offset \
-                or any(self.steps[u].opaque for u in range(t, issue[(j2, k2)])):
-            return None
-        got = self.place(t, other.sram, now, now, low=False, reserve=False, must=False,
-                         at=address - other.row_bytes)
-        return None if got is None else ((j2, k2), *got)
+        other_key = keys[i + 1]
+        load, other = self.steps[key[0]].loads[key[1]], self.steps[other_key[0]].loads[other_key[1]]
+        w = issue[other_key]
+        if other_key in self.early or w <= t or other.buffer != load.buffer or load.rows != 1 or other.rows != 1 \
+                or other.offset + other.row_bytes != load.offset or any(self.steps[u].opaque for u in range(t, w)):
+            return dma
+        got = self.place(t, other.sram, dma, dma, low=False, reserve=False, must=False, at=address - other.row_bytes)
+        if got is None:
+            return dma
+        self.early.add(other_key)
+        self.moves.append((self.steps[other_key[0]], other_key[1], t, got[0]))
+        # one command with ``key``'s: its latency is paid once
+        self.done[other_key] = max(dma, got[1]) + self.cycles[other_key] - self.config.dram_latency_cycles
+        return self.done[other_key]
 
     def place(self, t: int, buffer, now: int, horizon: int, low: bool, reserve: bool,
               must: bool, at: int | None = None, latest: float = math.inf) -> tuple[int, int] | None:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from simulator.isa import (SCALE_BIAS_WORDS, Command, Convolution, Elementwise, FeatureMap, Opcode, Pooling,
+from simulator.isa import (WORD_RECORD, Command, Convolution, Elementwise, FeatureMap, Opcode, Pooling,
                            Reduction, pack_scale_bias, scale_bias_record)
 from simulator.numerics import Rounding
 
@@ -131,9 +131,9 @@ class MacProgram(WindowedProgram):
         self.inputs = (MapShape(g.height, g.width, g.in_channels, e),)
         multiplier, shift = prepared
         table = np.stack([p.bias.astype(np.int32), multiplier, shift], axis=1).astype("<i4")
-        self.record = scale_bias_record(p.rounding) if packed else SCALE_BIAS_WORDS * 4
+        self.record = scale_bias_record(p.rounding) if packed else WORD_RECORD
         weights = np.ascontiguousarray(p.weights, dtype=np.int8)
-        words = self.record == SCALE_BIAS_WORDS * 4
+        words = self.record == WORD_RECORD
         self.constants = (Constant("weights", weights.tobytes(), weights.shape, "int8", g.weight_bytes(1)),
                           Constant("scale_bias", pack_scale_bias(table, self.record),
                                    table.shape if words else (len(table) * self.record,),
@@ -226,23 +226,23 @@ class MeanProgram(RowProgram):
         return Command(Opcode.MEAN, op, layer)
 
 
-def _mean(p: MeanParams, prepared, sources: list) -> MeanProgram | None:
+def _mean(p: MeanParams, prepared, sources: list, packed: bool) -> MeanProgram | None:
     if len(p.ifm_shape) != 4 or p.ifm_shape[0] != 1:
         return None
     return MeanProgram(p, prepared, (-128, 127))
 
 
 def _mac(opcode: Opcode):
-    def build(p: ConvParams, prepared, sources: list) -> MacProgram | None:
+    def build(p: ConvParams, prepared, sources: list, packed: bool) -> MacProgram | None:
         shapes = (p.ifm_shape, p.ofm_shape)
         if any(MapShape.of(tuple(s)) is None for s in shapes):
             return None
-        return MacProgram(opcode, p, prepared)
+        return MacProgram(opcode, p, prepared, packed)
     return build
 
 
 def _pool(opcode: Opcode):
-    def build(p: PoolParams, prepared, sources: list) -> RowProgram | None:
+    def build(p: PoolParams, prepared, sources: list, packed: bool) -> RowProgram | None:
         if MapShape.of(tuple(p.ifm_shape)) is None:
             return None
         mean = as_global_mean(p)
@@ -253,7 +253,7 @@ def _pool(opcode: Opcode):
 
 
 def _elementwise(opcode: Opcode):
-    def build(p: ElementwiseParams, fields: dict, sources: list) -> ElementwiseProgram | None:
+    def build(p: ElementwiseParams, fields: dict, sources: list, packed: bool) -> ElementwiseProgram | None:
         shape = MapShape.of(tuple(p.shape))
         if p.broadcast or shape is None or any(s is None for s in sources):
             return None  # a constant or per-channel operand keeps the flat-chunk program
@@ -272,17 +272,15 @@ ROW_PROGRAMS = {
     NpuOp.SUBTRACT: _elementwise(Opcode.SUB),
     NpuOp.MULTIPLY: _elementwise(Opcode.MUL),
 }
-"""Operators with a row program; the others run their DRAM-in/DRAM-out tile program whole."""
+"""Operators with a row program, each built from (params, prepared constants, sources, ``packed``: MAC tables in
+packed records); the others run their DRAM-in/DRAM-out tile program whole."""
 
 
 def row_program(p: NpuParams, prepared, sources: list, packed: bool = False) -> RowProgram | None:
     """The row program of a layer, or ``None`` when its operator (or this instance of it) has none;
     ``packed``: a MAC layer's scale/bias table in packed records (:class:`MacProgram`)."""
     build = ROW_PROGRAMS.get(p.op)
-    program = None if build is None else build(p, prepared, sources)
-    if packed and isinstance(program, MacProgram):
-        program = MacProgram(program.opcode, p, prepared, packed=True)
-    return program
+    return None if build is None else build(p, prepared, sources, packed)
 
 
 def channel_tile(program: RowProgram, budget: int, lanes: int) -> int:
