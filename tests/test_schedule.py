@@ -329,8 +329,9 @@ def test_the_tail_policy_fills_sram_with_the_classifiers_weights_before_it_start
     constants just in time, above the maps, so that more of the tail's constants are in SRAM when its first
     layer starts than with ``above`` (which prefetches in order of use), and the stream ends earlier; both
     compute TFLite's outputs exactly. Constant buffers are named ``<layer>.constants`` by the emitter. Where the
-    classifier streams its weights, ``tail`` moves two tiles per DMA command (one latency instead of two)."""
+    classifier streams its weights, ``tail`` moves runs of its tiles in one DMA command (one latency for all)."""
     import npu_backend
+    from npu_backend.codegen.prefetch import RUN_TILES
     from conftest import FIXTURES
     from npu_backend.codegen.lower import npu_regions, region_graph
     from npu_backend.codegen.schedule import ScheduleOptions
@@ -361,11 +362,13 @@ def test_the_tail_policy_fills_sram_with_the_classifiers_weights_before_it_start
 
     tail_cycles, tail_loaded, tail_moves = run("tail")
     above_cycles, above_loaded, above_moves = run("above")
-    # the classifier's 16-channel tiles (63, the last of 8 channels): tail pairs most of them into one DMA
-    # command each; here the last load moves one tile, so only one tile's compute follows it
+    # the classifier's 16-channel tiles (63, the last of 8 channels): tail moves most of them in runs of
+    # RUN_TILES per DMA command; the last RUN_TILES - 1 loads move one tile each, so that only one tile's compute
+    # follows the last load
     chunk = max(above_moves)
     assert len(above_moves) == 63 and sum(above_moves) == sum(tail_moves)
-    assert len(tail_moves) < 40 and max(tail_moves) == 2 * chunk and tail_moves[-1] <= chunk
+    assert len(tail_moves) < 20 and max(tail_moves) == RUN_TILES * chunk
+    assert all(moved <= chunk for moved in tail_moves[-(RUN_TILES - 1):])
     assert tail_loaded > above_loaded, (tail_loaded, above_loaded)
     assert tail_loaded > 0.75 * NPU_256.sram_bytes
     assert tail_cycles < above_cycles, (tail_cycles, above_cycles)

@@ -16,7 +16,7 @@ import math
 from simulator.config import NpuConfig
 from simulator.opcodes import opcode_def
 
-from .allocate import align_up, allocate
+from .allocate import SramBuffer, align_up, allocate
 from .programs import Operand
 from .steps import Schedule, ScheduleError, Step, is_constant
 
@@ -247,6 +247,11 @@ HEAD_LOOKAHEAD = 2
 regular issue: early enough that a tail load queued ahead of it on the DMA engine seldom delays its step,
 late enough that it holds little SRAM."""
 
+RUN_TILES = 5
+"""The ``tail`` policy moves up to this many consecutive channel tiles of a streamed layer in one DMA command
+(one latency for all of them); the last ``RUN_TILES - 1`` tail constants load one per command, so that no more
+than one tile's compute is left when the last load ends."""
+
 
 def tail_start(comp: list[int], load_cycles: list[int]) -> int:
     """The first step of the tightest weight-streaming tail: the step ``s`` maximizing the compute of the
@@ -274,12 +279,15 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
     maps are allocated together with the constants) wastes everything below it. Here the maps (every
     buffer but a constant) are allocated alone, packed low; the earlier layers' constants go just above
     them (lowest first), at most :data:`HEAD_LOOKAHEAD` steps early; the tail's go from the top of SRAM
-    down, over a band kept for the earlier layers' constants, whenever the DMA engine would idle. The walk
-    knows when each step's compute ends (the cycle model), so it places a load on bytes whose last reader
-    has ended by then, or counts the wait when nothing else is free; it hoists nothing that would still be
-    loading when the next step's maps could start to load, and it pairs a streamed layer's tiles into one DMA
-    command where SRAM has room for the second just below the first (:meth:`_TailWalk.pair`; if pairing
-    leaves a later constant no room, the walk runs again without it). A constant load that finds no room at
+    down whenever the DMA engine would idle, above what the maps and the earlier layers' constants need over
+    the tail constant's lifetime: both allocated together beforehand, each earlier constant live from
+    :data:`HEAD_LOOKAHEAD` steps before its issue (so the floor follows what each step holds, not the largest
+    maps plus the largest constants of any step). The walk knows when each step's compute ends (the cycle
+    model), so it places a load on bytes whose last reader has ended by then, or counts the wait when nothing
+    else is free; it hoists nothing that would still be loading when the next step's maps could start to load,
+    and it moves runs of a streamed layer's tiles in one DMA command, reserving room for the whole run below
+    the first (:meth:`_TailWalk.run_of`; if runs leave a later constant no room, the walk runs again without
+    them). A constant load that finds no room at
     its own issue leaves the schedule as the allocation made it (no deep prefetch), as does a tail whose
     constants fit SRAM whole (it streams nothing; the other policies keep such a region low in SRAM)."""
     steps, sram, align = schedule.steps, config.sram_bytes, config.sram_align
@@ -300,16 +308,15 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
     streams = sum(steps[j].loads[k].sram.size for j, k in keys if j >= first_tail) > sram  # else it fits whole
     moves = None
     if streams and len(constants) == len(keys) and allocate(maps, sram, align) is None:  # one load per buffer
-        band = [0] * len(steps)  # room kept above the maps for the earlier layers' constants
-        for j, k in keys:
-            if j < first_tail:
-                b = steps[j].loads[k].sram
-                for t in range(max(0, issue[(j, k)] - HEAD_LOOKAHEAD), b.last + 1):
-                    band[t] += align_up(b.size, align)
-        for pairs in (True, False):  # tiles paired into one DMA hold SRAM a step earlier; without, if that fails
-            moves = _TailWalk(config, steps, comp, maps, band, pairs).run(regular, keys, issue, cycles, first_tail)
-            if moves is not None:
-                break
+        earlier = [SramBuffer(b.name, b.size, max(0, issue[(j, k)] - HEAD_LOOKAHEAD), b.last)
+                   for j, k in keys if j < first_tail for b in [steps[j].loads[k].sram]]
+        if allocate(earlier, sram, align, fixed=tuple(maps)) is None:  # what the earlier layers need, per step
+            floor = high_water(maps + earlier, len(steps))
+            for runs in (True, False):  # runs of tiles hold SRAM a step earlier; without, if that fails
+                moves = _TailWalk(config, steps, comp, maps, floor, runs).run(regular, keys, issue, cycles,
+                                                                               first_tail)
+                if moves is not None:
+                    break
     if moves is None:
         for b, first, address in saved:
             b.first, b.address = first, address
@@ -326,9 +333,11 @@ def prefetch_tail(schedule: Schedule, config: NpuConfig) -> None:
 class _TailWalk:
     """The two engines walked through the steps for :func:`prefetch_tail`, placing every constant."""
 
-    def __init__(self, config: NpuConfig, steps: list[Step], comp: list[int], maps: list, band: list[int],
-                 pairs: bool):
-        self.config, self.steps, self.comp, self.maps, self.band, self.pairs = config, steps, comp, maps, band, pairs
+    def __init__(self, config: NpuConfig, steps: list[Step], comp: list[int], maps: list, floor: list[int],
+                 runs: bool):
+        """``floor``: per step, the top of what the maps and the earlier layers' constants need then; ``runs``:
+        whether a streamed layer's tiles may share a DMA command."""
+        self.config, self.steps, self.comp, self.maps, self.floor, self.runs = config, steps, comp, maps, floor, runs
         self.high = high_water(maps, len(steps))
         self.end = [0] * len(steps)  # each step's compute end, once walked
         self.placed: list[tuple[int, int, int, int]] = []  # (address, size, first step, last step)
@@ -350,7 +359,10 @@ class _TailWalk:
                     continue
                 load = steps[j].loads[k]
                 if (j, k) in constant:
-                    got = self.place(t, load.sram, dma, dma, low=j < first_tail, reserve=False, must=True)
+                    if j >= first_tail:
+                        got = self.place_run(t, (j, k), dma, dma, reserve=False, must=True)
+                    else:
+                        got = self.place(t, load.sram, dma, dma, low=True, reserve=False, must=True)
                     if got is None:
                         return None
                     moves.append((steps[j], k, t, got[0]))
@@ -360,7 +372,7 @@ class _TailWalk:
                 dma = start + dma_cycles(config, load.row_bytes, load.rows)
                 done[(j, k)] = dma
                 if (j, k) in constant and j >= first_tail:
-                    dma = self.pair(t, (j, k), got[0], dma)
+                    dma = self.run_of(t, (j, k), got[0], dma)
             compute = self.end[t] = max([compute] + [done.get((t, k), 0) for k in range(len(steps[t].loads))]) \
                 + self.comp[t]
             while head < len(keys) and issue[keys[head]] <= t + 1:
@@ -376,8 +388,12 @@ class _TailWalk:
                 if (j, k) in early or w <= t + 1 or (j < first_tail and w > t + HEAD_LOOKAHEAD) \
                         or any(steps[u].opaque for u in range(t, w)):
                     continue
-                got = self.place(t, steps[j].loads[k].sram, dma, compute, low=j < first_tail,
-                                 reserve=j >= first_tail, must=False, latest=deadline - cycles[(j, k)])
+                if j >= first_tail:
+                    got = self.place_run(t, (j, k), dma, compute, reserve=True, must=False,
+                                         latest=deadline - cycles[(j, k)])
+                else:
+                    got = self.place(t, steps[j].loads[k].sram, dma, compute, low=True, reserve=False, must=False,
+                                     latest=deadline - cycles[(j, k)])
                 if got is None:
                     continue
                 dma = got[1] + cycles[(j, k)]
@@ -385,7 +401,7 @@ class _TailWalk:
                 early.add((j, k))
                 moves.append((steps[j], k, t, got[0]))
                 if j >= first_tail:
-                    dma = self.pair(t, (j, k), got[0], dma)
+                    dma = self.run_of(t, (j, k), got[0], dma)
             for store in steps[t].stores:
                 dma = max(dma, compute) + dma_cycles(config, store.row_bytes, store.rows)
         return moves
@@ -398,44 +414,80 @@ class _TailWalk:
             self._reused[id(buffer)] = self.end[max(before)] if before else 0
         return self._reused[id(buffer)]
 
-    def pair(self, t: int, key, address: int, dma: int) -> int:
-        """Emit with the tail constant ``key``, just placed at ``address`` during step ``t``, the next tile of the
-        same layer as one DMA command (:func:`npu_backend.codegen.emitter.coalesced`): it lies just below ``key``
-        in DRAM (:func:`npu_backend.codegen.steps.tile_offset`), so it goes just below it in SRAM, if those bytes
-        are free from ``t`` on. A layer that streams its weights at the DMA's pace then pays one latency per two
-        tiles. The region's last constant load is never paired (only the compute of what it loads follows it).
-        ``dma``: when the DMA engine is free; returns when it is free again."""
+    def follower(self, t: int, key):
+        """The tail constant that may join ``key``'s DMA command during step ``t`` (None if none): the next
+        tile of the same layer, not yet placed, and not among the last ``RUN_TILES - 1`` tail constants (only the
+        compute of what the last command loads follows it). It lies just below ``key`` in DRAM
+        (:func:`npu_backend.codegen.steps.tile_offset`), so it must go just below it in SRAM."""
         keys, issue, i = self.keys, self.issue, self.position[key]
-        if not self.pairs or i + 2 >= len(keys):
-            return dma
+        if not self.runs or i + RUN_TILES >= len(keys):
+            return None
         other_key = keys[i + 1]
         load, other = self.steps[key[0]].loads[key[1]], self.steps[other_key[0]].loads[other_key[1]]
         w = issue[other_key]
         if other_key in self.early or w <= t or other.buffer != load.buffer or load.rows != 1 or other.rows != 1 \
                 or other.offset + other.row_bytes != load.offset or any(self.steps[u].opaque for u in range(t, w)):
-            return dma
-        got = self.place(t, other.sram, dma, dma, low=False, reserve=False, must=False, at=address - other.row_bytes)
-        if got is None:
-            return dma
-        self.early.add(other_key)
-        self.moves.append((self.steps[other_key[0]], other_key[1], t, got[0]))
-        # one command with ``key``'s: its latency is paid once
-        self.done[other_key] = max(dma, got[1]) + self.cycles[other_key] - self.config.dram_latency_cycles
-        return self.done[other_key]
+            return None
+        return other_key
+
+    def place_run(self, t: int, key, now: int, horizon: int, reserve: bool, must: bool,
+                  latest: float = math.inf) -> tuple[int, int] | None:
+        """:meth:`place` for the tail constant ``key``, with room kept just below it for the tiles that may
+        follow it in one command (:meth:`follower`), as many of them as fit: otherwise the first tile often lands
+        where the next one's bytes are still in use, and every tile pays its own latency."""
+        buffer = self.steps[key[0]].loads[key[1]].sram
+        run, last = [], key
+        while len(run) < RUN_TILES - 1 and (last := self.follower(t, last)) is not None:
+            run.append(self.steps[last[0]].loads[last[1]])
+        while run:
+            below = sum(load.row_bytes for load in run)
+            whole = SramBuffer(buffer.name, buffer.size + below, t, max([buffer.last] + [ld.sram.last for ld in run]))
+            got = self.place(t, whole, now, horizon, low=False, reserve=reserve, must=False, latest=latest)
+            if got is not None:
+                self.placed.pop()  # only reserved: the tiles are placed one by one
+                got = self.place(t, buffer, now, horizon, low=False, reserve=reserve, must=False, latest=latest,
+                                 at=got[0] + below)
+                if got is not None:
+                    return got
+            run.pop()
+        return self.place(t, buffer, now, horizon, low=False, reserve=reserve, must=must, latest=latest)
+
+    def run_of(self, t: int, key, address: int, dma: int) -> int:
+        """Emit with the tail constant ``key``, just placed at ``address`` during step ``t``, the tiles that follow
+        it (:meth:`follower`) as one DMA command (:func:`npu_backend.codegen.emitter.coalesced`), each just below
+        the one before it, while those bytes are free from ``t`` on. A layer that streams its weights at the DMA's
+        pace then pays one latency per run. The command ends when its last tile has arrived, so that is when
+        every tile of it is ready. ``dma``: when the DMA engine is free; returns when it is free again."""
+        members = [key]
+        while len(members) < RUN_TILES and (other_key := self.follower(t, key)) is not None:
+            other = self.steps[other_key[0]].loads[other_key[1]]
+            got = self.place(t, other.sram, dma, dma, low=False, reserve=False, must=False,
+                             at=address - other.row_bytes)
+            if got is None:
+                break
+            self.early.add(other_key)
+            self.moves.append((self.steps[other_key[0]], other_key[1], t, got[0]))
+            dma = max(dma, got[1]) + self.cycles[other_key] - self.config.dram_latency_cycles  # one latency
+            key, address = other_key, got[0]
+            members.append(key)
+        for member in members:
+            self.done[member] = dma
+        return dma
 
     def place(self, t: int, buffer, now: int, horizon: int, low: bool, reserve: bool,
               must: bool, at: int | None = None, latest: float = math.inf) -> tuple[int, int] | None:
         """(address, when its load can start) for ``buffer`` held from step ``t`` to its last use, lowest or
         highest first (or at ``at`` alone); bytes whose last reader ends after ``horizon`` count as taken
         (``must``: else as free, and the load waits for them). ``now``: when the DMA engine is free;
-        ``reserve``: keep the band; ``latest``: None if the load could not start by then."""
+        ``reserve``: stay above what the earlier layers need (the walk's ``floor``); ``latest``: None if the
+        load could not start by then."""
         end, high, last, size = self.end, self.high, buffer.last, buffer.size
         fit = _lowest if low else _highest
         u = t - 1
         while u >= 0 and end[u] > horizon:
             u -= 1
         taken = [p for p in self.placed if (p[3] >= t and p[2] <= last) or (p[3] < t and end[p[3]] > horizon)]
-        floor = max(high[u + 1:last + 1]) + (max(self.band[t:last + 1]) if reserve else 0)
+        floor = max((self.floor if reserve else high)[u + 1:last + 1])
         if at is not None:
             clear = at >= align_up(floor, self.config.sram_align) and at + size <= self.config.sram_bytes \
                 and all(other + other_size <= at or at + size <= other for other, other_size, *_ in taken)
