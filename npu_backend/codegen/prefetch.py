@@ -249,8 +249,8 @@ late enough that it holds little SRAM."""
 
 RUN_TILES = 5
 """The ``tail`` policy moves up to this many consecutive channel tiles of a streamed layer in one DMA command
-(one latency for all of them); the last ``RUN_TILES - 1`` tail constants load one per command, so that no more
-than one tile's compute is left when the last load ends."""
+(one latency for all of them), as long as their compute hides under the DMA of the constants still to load:
+so runs shrink towards the region's end, and the last load moves one tile."""
 
 
 def tail_start(comp: list[int], load_cycles: list[int]) -> int:
@@ -414,13 +414,15 @@ class _TailWalk:
             self._reused[id(buffer)] = self.end[max(before)] if before else 0
         return self._reused[id(buffer)]
 
-    def follower(self, t: int, key):
+    def follower(self, t: int, key, computed: int = 0):
         """The tail constant that may join ``key``'s DMA command during step ``t`` (None if none): the next
-        tile of the same layer, not yet placed, and not among the last ``RUN_TILES - 1`` tail constants (only the
-        compute of what the last command loads follows it). It lies just below ``key`` in DRAM
-        (:func:`npu_backend.codegen.steps.tile_offset`), so it must go just below it in SRAM."""
+        tile of the same layer, not yet placed, whose compute together with the run's so far (``computed``
+        cycles) ends before the DMA engine has loaded every constant not yet placed (after the last load, only
+        the compute of what it loaded is left; the region's last constant is never in a run). It lies just
+        below ``key`` in DRAM (:func:`npu_backend.codegen.steps.tile_offset`), so it must go just below it in
+        SRAM."""
         keys, issue, i = self.keys, self.issue, self.position[key]
-        if not self.runs or i + RUN_TILES >= len(keys):
+        if not self.runs or i + 2 >= len(keys):
             return None
         other_key = keys[i + 1]
         load, other = self.steps[key[0]].loads[key[1]], self.steps[other_key[0]].loads[other_key[1]]
@@ -428,6 +430,8 @@ class _TailWalk:
         if other_key in self.early or w <= t or other.buffer != load.buffer or load.rows != 1 or other.rows != 1 \
                 or other.offset + other.row_bytes != load.offset or any(self.steps[u].opaque for u in range(t, w)):
             return None
+        if computed + self.comp[other_key[0]] > sum(self.cycles[k] for k in keys[i + 2:] if k not in self.early):
+            return None  # the run's tiles would still be computing when the DMA engine has nothing left to load
         return other_key
 
     def place_run(self, t: int, key, now: int, horizon: int, reserve: bool, must: bool,
@@ -437,8 +441,10 @@ class _TailWalk:
         where the next one's bytes are still in use, and every tile pays its own latency."""
         buffer = self.steps[key[0]].loads[key[1]].sram
         run, last = [], key
-        while len(run) < RUN_TILES - 1 and (last := self.follower(t, last)) is not None:
+        computed = self.comp[key[0]]
+        while len(run) < RUN_TILES - 1 and (last := self.follower(t, last, computed)) is not None:
             run.append(self.steps[last[0]].loads[last[1]])
+            computed += self.comp[last[0]]
         while run:
             below = sum(load.row_bytes for load in run)
             whole = SramBuffer(buffer.name, buffer.size + below, t, max([buffer.last] + [ld.sram.last for ld in run]))
@@ -459,7 +465,8 @@ class _TailWalk:
         pace then pays one latency per run. The command ends when its last tile has arrived, so that is when
         every tile of it is ready. ``dma``: when the DMA engine is free; returns when it is free again."""
         members = [key]
-        while len(members) < RUN_TILES and (other_key := self.follower(t, key)) is not None:
+        while len(members) < RUN_TILES and (other_key := self.follower(
+                t, key, sum(self.comp[m[0]] for m in members))) is not None:
             other = self.steps[other_key[0]].loads[other_key[1]]
             got = self.place(t, other.sram, dma, dma, low=False, reserve=False, must=False,
                              at=address - other.row_bytes)
