@@ -15,9 +15,10 @@ import numpy as np
 from .config import NpuConfig
 from .elementwise import unused_fields
 from .errors import StreamError
-from .isa import (DOUBLE_SCALE_ROUNDINGS, SCALE_BIAS_RECORDS, ActivationType, BufferKind, CommandStream, Convolution,
-                  DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax,
-                  TableLookup, WORD_RECORD, conv_output_size, scale_bias_bytes, weight_shape)
+from .isa import (DOUBLE_SCALE_ROUNDINGS, PACKED_RECORD, SCALE_BIAS_RECORDS, SCALE_RECORD, ActivationType, BufferKind,
+                  CommandStream, Convolution, DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling,
+                  Reduction, Resize, Softmax, TableLookup, WORD_RECORD, conv_output_size, scale_bias_bytes,
+                  weight_shape)
 from .numerics import INT32_MAX, Rounding
 from .resize import ONE, ROUNDINGS
 
@@ -91,9 +92,15 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
     if conv.scale_bias_record not in SCALE_BIAS_RECORDS:
         raise StreamError(f"{where}: scale/bias records of {conv.scale_bias_record} bytes; a record takes "
                           + " or ".join(f"{size} ({layout})" for size, layout in SCALE_BIAS_RECORDS.items()))
-    if conv.scale_bias_record != WORD_RECORD and conv.rounding in DOUBLE_SCALE_ROUNDINGS:
-        raise StreamError(f"{where}: rounding {conv.rounding.name} keeps a float64 scale per channel, which needs "
-                          f"12-byte scale/bias records, not {conv.scale_bias_record}")
+    double = conv.rounding in DOUBLE_SCALE_ROUNDINGS
+    if conv.scale_bias_record != WORD_RECORD and double != (conv.scale_bias_record == SCALE_RECORD.itemsize):
+        raise StreamError(f"{where}: rounding {conv.rounding.name} takes "
+                          + (f"12- or {SCALE_RECORD.itemsize}-byte" if double else f"12- or {PACKED_RECORD.itemsize}-byte")
+                          + f" scale/bias records, not {conv.scale_bias_record}")
+    if conv.scale_bias_record == SCALE_RECORD.itemsize and not all(
+            np.isfinite(s) and s > 0 for s in (conv.input_scale, conv.output_scale)):
+        raise StreamError(f"{where}: {SCALE_RECORD.itemsize}-byte scale/bias records need positive finite input and "
+                          f"output scales, not {conv.input_scale} and {conv.output_scale}")
     if conv.scale_bias_address % 4:
         raise StreamError(f"{where}: scale_bias table must be 4-byte aligned")
     ofm_start, ofm_size = regions["ofm"]

@@ -14,9 +14,9 @@ import numpy as np
 
 from .config import NpuConfig, get_config
 from .errors import StreamError
-from .numerics import Rounding
+from .numerics import Rounding, float_scales
 
-FORMAT_VERSION = (2, 5)
+FORMAT_VERSION = (2, 6)
 """(major, minor) of the command-stream format; a reader accepts the majors in ``READABLE_MAJORS``.
 
 1.1 added SUB, MUL and SOFTMAX (new opcodes, the Softmax table, Command.softmax).
@@ -46,7 +46,11 @@ format cannot carry other values.
 2.5 added ``Convolution.scale_bias_record``: the bytes of each output channel's scale/bias record, 12 (three
 int32 words, what every older stream holds and what absent means) or 9 (int32 bias, int32 multiplier, int8
 shift, packed; TFLite's roundings only), which moves a quarter fewer bytes. The encoder refuses a 9-byte
-record in an older format."""
+record in an older format.
+2.6 added the 8-byte record for the float64-scale roundings (int32 bias, float32 weight scale) and the two
+float32 scales it needs, ``Convolution.input_scale`` and ``output_scale``: the output stage forms the float64
+scale from the three as TFLite does, so a per-channel classifier moves a third fewer record bytes. Absent, as
+in every older stream, they are 0 and unused. The encoder refuses an 8-byte record in an older format."""
 
 READABLE_MAJORS = (1, 2)
 
@@ -58,6 +62,9 @@ DEPS_SINCE = (2, 4)
 
 RECORD_SINCE = (2, 5)
 """The format that added ``Convolution.scale_bias_record``."""
+
+SCALE_RECORD_SINCE = (2, 6)
+"""The format that added the 8-byte record and ``Convolution.input_scale``/``output_scale``."""
 
 SCALE_BIAS_WORDS = 3
 """Words per output channel of a decoded scale/bias table (:func:`scale_bias_words`): bias, multiplier, shift."""
@@ -204,6 +211,12 @@ class Convolution:
     rounding: Rounding = Rounding.TFLITE_DOUBLE
     scale_bias_record: int = WORD_RECORD
     """Bytes of each output channel's scale/bias record (:data:`SCALE_BIAS_RECORDS`, format 2.5)."""
+    input_scale: float = 0.0
+    output_scale: float = 0.0
+    """The float32 scales the 8-byte record's float64 scale is formed with (format 2.6; 0 with other records)."""
+
+    def __post_init__(self):
+        _as_float32(self, ("input_scale", "output_scale"))
 
 
 def _as_float32(payload, names: tuple[str, ...]) -> None:
@@ -369,14 +382,20 @@ PACKED_RECORD = np.dtype([("bias", "<i4"), ("multiplier", "<i4"), ("shift", "i1"
 """The 9-byte record (format 2.5): what TFLite's fixed-point output stage needs per channel, unpadded. Ethos-U
 packs its scale/bias records likewise (10 bytes: a 40-bit bias, a 32-bit scale, a 6-bit shift)."""
 
-SCALE_BIAS_RECORDS = {WORD_RECORD: "three int32 words", PACKED_RECORD.itemsize: "int32 bias, int32 multiplier, int8 shift"}
+SCALE_RECORD = np.dtype([("bias", "<i4"), ("weight_scale", "<f4")])
+"""The 8-byte record (format 2.6) of the float64-scale roundings: the float64 scale is
+``double(input_scale) * double(weight_scale) / double(output_scale)`` (:func:`simulator.numerics.float_scales`),
+so the float32 weight scale is all a channel needs; the command carries the other two."""
+
+SCALE_BIAS_RECORDS = {WORD_RECORD: "three int32 words", PACKED_RECORD.itemsize: "int32 bias, int32 multiplier, int8 shift",
+                      SCALE_RECORD.itemsize: "int32 bias, float32 weight scale"}
 """Bytes per output channel a scale/bias record may take -> its layout (command_stream.fbs)."""
 
 
 def scale_bias_record(rounding: Rounding) -> int:
-    """The record the codegen writes for ``rounding``: packed where the shift fits a byte, the three words where
-    the last two hold a float64 scale."""
-    return WORD_RECORD if rounding in DOUBLE_SCALE_ROUNDINGS else PACKED_RECORD.itemsize
+    """The record the codegen writes for ``rounding``: packed where the shift fits a byte, bias and weight scale
+    where the output stage forms a float64 scale."""
+    return SCALE_RECORD.itemsize if rounding in DOUBLE_SCALE_ROUNDINGS else PACKED_RECORD.itemsize
 
 
 def scale_bias_bytes(conv: Convolution) -> int:
@@ -386,9 +405,14 @@ def scale_bias_bytes(conv: Convolution) -> int:
 
 def scale_bias_words(raw: np.ndarray, conv: Convolution) -> np.ndarray:
     """The ``[OC, SCALE_BIAS_WORDS]`` int32 words of a table's bytes (``raw``: uint8, :func:`scale_bias_bytes`
-    of them), whatever its record: a view for 12-byte records, a new array for packed ones."""
+    of them), whatever its record: a view for 12-byte records, a new array for the others (an 8-byte record's
+    last two words are the bits of the float64 scale the output stage forms, as a 12-byte record holds it)."""
     if conv.scale_bias_record == WORD_RECORD:
         return raw.view("<i4").reshape(conv.ofm.channels, SCALE_BIAS_WORDS)
+    if conv.scale_bias_record == SCALE_RECORD.itemsize:
+        records = raw.view(SCALE_RECORD)
+        scales = float_scales(conv.input_scale, records["weight_scale"], conv.output_scale).view("<i4")
+        return np.stack([records["bias"], scales[0::2], scales[1::2]], axis=1)
     records = raw.view(PACKED_RECORD)
     return np.stack([records["bias"], records["multiplier"], records["shift"].astype(np.int32)], axis=1)
 
@@ -402,6 +426,14 @@ def pack_scale_bias(words: np.ndarray, record: int) -> bytes:
         raise StreamError("a shift does not fit the packed record's byte")
     records = np.empty(len(words), PACKED_RECORD)
     records["bias"], records["multiplier"], records["shift"] = words[:, 0], words[:, 1], words[:, 2]
+    return records.tobytes()
+
+
+def pack_scale_records(bias: np.ndarray, weight_scales: np.ndarray) -> bytes:
+    """The table's bytes in 8-byte records (:data:`SCALE_RECORD`) from the per-channel bias and float32 weight
+    scales."""
+    records = np.empty(len(bias), SCALE_RECORD)
+    records["bias"], records["weight_scale"] = bias, np.broadcast_to(np.float32(weight_scales), len(bias))
     return records.tobytes()
 
 

@@ -42,9 +42,10 @@ from ._generated import Softmax as fb_softmax
 from ._generated import TableLookup as fb_lut
 from .config import NpuConfig, get_config
 from .errors import ConfigError, StreamError
-from .isa import (DEPS_SINCE, DTYPE_SINCE, READABLE_MAJORS, RECORD_SINCE, ActivationType, Buffer, BufferKind, Command,
-                  CommandStream, Convolution, DmaCopy, Elementwise, FeatureMap, MatMul, MemorySpace, Opcode, Pooling,
-                  Reduction, Resize, Softmax, TableLookup, WORD_RECORD, feature_maps)
+from .isa import (DEPS_SINCE, DTYPE_SINCE, READABLE_MAJORS, RECORD_SINCE, SCALE_RECORD, SCALE_RECORD_SINCE,
+                  ActivationType, Buffer, BufferKind, Command, CommandStream, Convolution, DmaCopy, Elementwise,
+                  FeatureMap, MatMul, MemorySpace, Opcode, Pooling, Reduction, Resize, Softmax, TableLookup,
+                  WORD_RECORD, feature_maps)
 from .numerics import ACCUMULATOR_OVERFLOWS, Rounding
 from .opcodes import opcode_def
 
@@ -59,7 +60,7 @@ _FMAP_FIELDS = ("address", "height", "width", "channels", "dtype")
 _CONV_FIELDS = ("weights_address", "scale_bias_address", "kernel_h", "kernel_w", "stride_h",
                 "stride_w", "dilation_h", "dilation_w", "pad_top", "pad_left", "pad_bottom",
                 "pad_right", "input_zero_point", "output_zero_point", "act_min", "act_max", "rounding",
-                "scale_bias_record")
+                "scale_bias_record", "input_scale", "output_scale")
 
 
 OVERFLOW_CODES = {mode: getattr(fb_overflow.AccumulatorOverflow, mode.upper()) for mode in ACCUMULATOR_OVERFLOWS}
@@ -86,10 +87,13 @@ def _int16_feature_map(commands) -> str | None:
     return None
 
 
-def _packed_record(commands) -> str | None:
-    """The first command whose scale/bias records are not 12 bytes (format 2.5), as ``command i (OPCODE)``."""
+def _packed_record(commands, version: tuple[int, int]) -> str | None:
+    """The first command whose scale/bias records ``version`` cannot carry (other than 12 bytes before 2.5, the
+    8-byte record before 2.6), as ``command i (OPCODE)``, or None."""
     for index, command in enumerate(commands):
-        if isinstance(command.payload, Convolution) and command.payload.scale_bias_record != WORD_RECORD:
+        if isinstance(command.payload, Convolution) and (
+                (command.payload.scale_bias_record != WORD_RECORD and version < RECORD_SINCE)
+                or (command.payload.scale_bias_record == SCALE_RECORD.itemsize and version < SCALE_RECORD_SINCE)):
             return f"command {index} ({command.opcode.name})"
     return None
 
@@ -101,7 +105,8 @@ def _camel(name: str) -> str:
 def _flatten_conv(conv: Convolution) -> dict[str, int]:
     flat = {name: getattr(conv, name) for name in ("weights_address", "scale_bias_address",
                                                    "input_zero_point", "output_zero_point",
-                                                   "act_min", "act_max", "scale_bias_record")}
+                                                   "act_min", "act_max", "scale_bias_record",
+                                                   "input_scale", "output_scale")}
     flat.update(kernel_h=conv.kernel[0], kernel_w=conv.kernel[1], stride_h=conv.stride[0],
                 stride_w=conv.stride[1], dilation_h=conv.dilation[0], dilation_w=conv.dilation[1],
                 pad_top=conv.padding[0], pad_left=conv.padding[1], pad_bottom=conv.padding[2],
@@ -122,7 +127,8 @@ def _unflatten_conv(flat: dict[str, int], ifm: FeatureMap, ofm: FeatureMap) -> C
         padding=(flat["pad_top"], flat["pad_left"], flat["pad_bottom"], flat["pad_right"]),
         input_zero_point=flat["input_zero_point"], output_zero_point=flat["output_zero_point"],
         act_min=flat["act_min"], act_max=flat["act_max"], rounding=rounding,
-        scale_bias_record=flat["scale_bias_record"])
+        scale_bias_record=flat["scale_bias_record"], input_scale=flat["input_scale"],
+        output_scale=flat["output_scale"])
 
 
 FLAT_PAYLOADS = {Elementwise: (fb_elementwise, "Elementwise"), Reduction: (fb_reduction, "Reduction"),
@@ -228,11 +234,12 @@ def encode_stream(stream: CommandStream) -> bytes:
     if tuple(stream.version) < DEPS_SINCE and any(c.deps is not None for c in stream.commands):
         raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry command dependencies "
                           f"(added in {DEPS_SINCE[0]}.{DEPS_SINCE[1]}); its readers would run the stream serially")
-    packed = _packed_record(stream.commands) if tuple(stream.version) < RECORD_SINCE else None
+    packed = _packed_record(stream.commands, tuple(stream.version))
     if packed is not None:
-        raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry the packed scale/bias records "
-                          f"of {packed} (added in {RECORD_SINCE[0]}.{RECORD_SINCE[1]}); its readers would take them "
-                          f"as 12-byte records")
+        raise StreamError(f"format {stream.version[0]}.{stream.version[1]} cannot carry the scale/bias records of "
+                          f"{packed} (9 bytes added in {RECORD_SINCE[0]}.{RECORD_SINCE[1]}, 8 in "
+                          f"{SCALE_RECORD_SINCE[0]}.{SCALE_RECORD_SINCE[1]}); its readers would take them as 12-byte "
+                          f"records")
     builder = flatbuffers.Builder(1024)
     buffer_offsets = []
     for buf in stream.buffers:
@@ -401,10 +408,9 @@ def decode_stream(data: bytes) -> CommandStream:
         wide = _int16_feature_map(commands) if version < DTYPE_SINCE else None
         if wide is not None:
             raise StreamError(f"{wide}: activation type INT16 is not defined in format {version[0]}.{version[1]}")
-        packed = _packed_record(commands) if version < RECORD_SINCE else None
+        packed = _packed_record(commands, version)
         if packed is not None:
-            raise StreamError(f"{packed}: scale/bias records other than 12 bytes are not defined in format "
-                              f"{version[0]}.{version[1]}")
+            raise StreamError(f"{packed}: its scale/bias records are not defined in format {version[0]}.{version[1]}")
         return CommandStream(name=_text(root.Name()), config=_decode_hardware(root, version), buffers=buffers,
                              commands=commands, version=version)
     except StreamError:

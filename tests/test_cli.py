@@ -9,6 +9,7 @@ import pytest
 
 from conftest import FIXTURES
 from npu_backend.cli import main
+from simulator.isa import FORMAT_VERSION
 
 MODEL = FIXTURES / "tflite" / "conv2d_3x3_s2_same_relu.tflite"
 
@@ -27,7 +28,8 @@ def test_compile_inspect_sim_round_trip(tmp_path, capsys):
     assert main(["inspect", str(streams[0])]) == 0
     listing = capsys.readouterr().out
     assert "(valid)" in listing and "CONV2D" in listing and "DMA_COPY" in listing
-    assert "format 2.5" in listing and " waits for [" in listing  # the codegen states dependencies
+    version = "format {}.{}".format(*FORMAT_VERSION)
+    assert version in listing and " waits for [" in listing  # the codegen states dependencies
     golden = np.load(MODEL.with_suffix(".npz"))
     np.save(tmp_path / "x.npy", golden["inputs"][0])
     name = "serving_default_keras_tensor:0"

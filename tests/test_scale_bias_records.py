@@ -1,6 +1,7 @@
-"""The scale/bias record (format 2.5): 9 packed bytes per output channel for TFLite's roundings, 12 (three int32
-words) where the last two hold a float64 scale, and what every older stream holds. The region scheduler packs
-them; the layer-by-layer lowering keeps 12 bytes, which every format reads."""
+"""The scale/bias record: 9 packed bytes per output channel for TFLite's roundings (format 2.5), 8 (bias and float32
+weight scale, the output stage forming the float64 scale) for the float64-scale roundings (format 2.6), and 12
+(three int32 words) in every format. The region scheduler writes the short ones; the layer-by-layer lowering keeps
+12 bytes, which every format reads."""
 
 from __future__ import annotations
 
@@ -14,8 +15,9 @@ from npu_backend.codegen.graph import GraphLayer, RegionGraph, Tensor, lower_gra
 from npu_backend.codegen.schedule import ScheduleOptions
 from npu_backend.params import NpuOp
 from simulator import BufferKind, Opcode, Rounding, StreamError, get_config, run_stream
-from simulator.isa import (FeatureMap, Convolution, pack_scale_bias, scale_bias_bytes, scale_bias_record,
-                           scale_bias_words)
+from simulator.isa import (FeatureMap, Convolution, pack_scale_bias, pack_scale_records, scale_bias_bytes,
+                           scale_bias_record, scale_bias_words)
+from simulator.numerics import float_scales
 from simulator.timeline import schedule
 from simulator.validate import validate_stream
 
@@ -34,6 +36,21 @@ def test_a_packed_record_is_bias_multiplier_and_shift_little_endian_with_no_padd
         pack_scale_bias(np.array([[0, 1 << 30, 200]], np.int32), 9)
 
 
+def test_an_8_byte_record_is_bias_and_float32_weight_scale_and_decodes_to_the_float64_scale_tflite_forms():
+    """The output stage forms double(s_in) * double(s_w) / double(s_out), TFLite's order: the decoded words are
+    exactly the 12-byte record's (bias, then the float64 scale's two halves)."""
+    bias, weight_scales = np.array([-5, 7], np.int32), np.array([0.0123, 3.5e-4], np.float32)
+    packed = pack_scale_records(bias, weight_scales)
+    assert packed == (b"\xfb\xff\xff\xff" + np.float32(0.0123).tobytes() + b"\x07\x00\x00\x00"
+                      + np.float32(3.5e-4).tobytes())
+    conv = dataclasses.replace(_conv(2, 8), input_scale=0.05, output_scale=0.17)
+    scales = float_scales(np.float32(0.05), weight_scales, np.float32(0.17))
+    words = np.stack([bias, scales.view(np.int32)[0::2], scales.view(np.int32)[1::2]], axis=1)
+    np.testing.assert_array_equal(scale_bias_words(np.frombuffer(packed, np.uint8), conv), words)
+    assert scales[0] == float(np.float32(0.05)) * float(np.float32(0.0123)) / float(np.float32(0.17))
+    assert conv.input_scale == float(np.float32(0.05))  # held as the float32 the stream stores
+
+
 def _region(rng, rounding=Rounding.TFLITE_DOUBLE):
     """A region of two convolutions (8 -> 24 -> 16 channels on a 6x6 map)."""
     x = Tensor("x", (1, 6, 6, 8))
@@ -49,13 +66,13 @@ def _scheduled(graph, packed: bool):
                        word_records=False)
 
 
-def test_the_scheduler_packs_records_for_tflite_roundings_and_keeps_three_words_for_float_scales():
-    """Same region, same inputs: with packed records its constants move 3 bytes fewer per output channel and it
-    computes what the 12-byte layout computes, which is the layer-by-layer lowering's (every format reads its
-    12-byte records); a float64 scale keeps 12 bytes, packed or not."""
+def test_the_scheduler_writes_short_records_that_compute_what_the_three_words_compute():
+    """Same region, same inputs: with packed records its constants move 3 bytes fewer per output channel (4 for a
+    float64 scale) and it computes what the 12-byte layout computes, which is the layer-by-layer lowering's (every
+    format reads its 12-byte records)."""
     rng = np.random.default_rng(3)
     graph = _region(rng)
-    assert scale_bias_record(Rounding.TFLITE_DOUBLE) == 9 and scale_bias_record(Rounding.FLOAT64) == 12
+    assert scale_bias_record(Rounding.TFLITE_DOUBLE) == 9 and scale_bias_record(Rounding.FLOAT64) == 8
     packed, words = _scheduled(graph, True), _scheduled(graph, False)
     reference = lower_graph(graph, CONFIG, "region", scheduled=False)
     records = lambda s: [c.payload.scale_bias_record for c in s.commands if c.opcode == Opcode.CONV2D]  # noqa: E731
@@ -72,8 +89,18 @@ def test_the_scheduler_packs_records_for_tflite_roundings_and_keeps_three_words_
     outputs = [run_stream(s, {"x": x})[0] for s in (packed, words, reference)]
     for got in outputs[:2]:
         np.testing.assert_array_equal(got["output0"], outputs[2]["output0"])
-    floats = _scheduled(_region(np.random.default_rng(3), Rounding.FLOAT64), True)
-    assert set(records(floats)) == {12}
+    for rounding in (Rounding.FLOAT64, Rounding.ONNXRUNTIME):
+        graph = _region(np.random.default_rng(3), rounding)
+        short, words = _scheduled(graph, True), _scheduled(graph, False)
+        assert set(records(short)) == {8} and set(records(words)) == {12}
+        assert moved(short) == 1728 + 24 * 8 + 3456 + 16 * 8
+        conv = next(c.payload for c in short.commands if c.opcode == Opcode.CONV2D)
+        assert (conv.input_scale, conv.output_scale) == (float(np.float32(graph.layers[0].params.input_scale)),
+                                                         float(np.float32(graph.layers[0].params.output_scale)))
+        reference = lower_graph(graph, CONFIG, "region", scheduled=False)
+        outputs = [run_stream(s, {"x": x})[0]["output0"] for s in (short, words, reference)]
+        np.testing.assert_array_equal(outputs[0], outputs[2])
+        np.testing.assert_array_equal(outputs[1], outputs[2])
 
 
 def test_the_lowering_keeps_packed_records_only_where_they_shorten_the_makespan():
@@ -86,26 +113,35 @@ def test_the_lowering_keeps_packed_records_only_where_they_shorten_the_makespan(
     assert cycles(chosen) == min(cycles(_scheduled(graph, True)), cycles(_scheduled(graph, False)))
 
 
-def test_packed_records_round_trip_in_format_2_5_and_older_formats_cannot_carry_them(monkeypatch):
-    stream = _scheduled(_region(np.random.default_rng(4)), True)
+@pytest.mark.parametrize("rounding, since, older", [(Rounding.TFLITE_DOUBLE, "RECORD_SINCE", (2, 4)),
+                                                    (Rounding.FLOAT64, "SCALE_RECORD_SINCE", (2, 5))])
+def test_short_records_round_trip_and_older_formats_cannot_carry_them(monkeypatch, rounding, since, older):
+    """9-byte records from format 2.5 on, 8-byte ones (and the two scales they need) from 2.6 on."""
+    stream = _scheduled(_region(np.random.default_rng(4), rounding), True)
     index = next(i for i, c in enumerate(stream.commands) if c.opcode == Opcode.CONV2D)
-    check_format_gate(monkeypatch, stream, "RECORD_SINCE", (2, 4),
-                      rf"format 2.4 cannot carry the packed scale/bias records of command {index} \(CONV2D\) "
-                      r"\(added in 2.5\)",
-                      rf"command {index} \(CONV2D\): scale/bias records other than 12 bytes are not defined in "
-                      r"format 2.4")
+    version = f"{older[0]}.{older[1]}"
+    check_format_gate(monkeypatch, stream, since, older,
+                      rf"format {version} cannot carry the scale/bias records of command {index} \(CONV2D\) "
+                      r"\(9 bytes added in 2.5, 8 in 2.6\)",
+                      rf"command {index} \(CONV2D\): its scale/bias records are not defined in format {version}")
 
 
-@pytest.mark.parametrize("record, rounding, message", [
-    (10, Rounding.TFLITE_DOUBLE, r"scale/bias records of 10 bytes; a record takes 12 \(three int32 words\) or 9 "),
-    (9, Rounding.FLOAT64, r"rounding FLOAT64 keeps a float64 scale per channel, which needs 12-byte scale/bias "
-                          r"records, not 9"),
-    (9, Rounding.ONNXRUNTIME, r"rounding ONNXRUNTIME keeps a float64 scale"),
+@pytest.mark.parametrize("record, rounding, scales, message", [
+    (10, Rounding.TFLITE_DOUBLE, (0.0, 0.0),
+     r"scale/bias records of 10 bytes; a record takes 12 \(three int32 words\) or 9 \(.*\) or 8 \(int32 bias, "
+     r"float32 weight scale\)"),
+    (9, Rounding.FLOAT64, (0.5, 0.5), r"rounding FLOAT64 takes 12- or 8-byte scale/bias records, not 9"),
+    (9, Rounding.ONNXRUNTIME, (0.5, 0.5), r"rounding ONNXRUNTIME takes 12- or 8-byte scale/bias records, not 9"),
+    (8, Rounding.TFLITE_DOUBLE, (0.5, 0.5), r"rounding TFLITE_DOUBLE takes 12- or 9-byte scale/bias records, not 8"),
+    (8, Rounding.FLOAT64, (0.0, 0.5), r"8-byte scale/bias records need positive finite input and output scales, "
+                                      r"not 0.0 and 0.5"),
+    (8, Rounding.FLOAT64, (0.5, float("inf")), r"need positive finite input and output scales, not 0.5 and inf"),
 ])
-def test_a_record_size_or_rounding_the_output_stage_cannot_read_is_rejected(record, rounding, message):
+def test_a_record_size_or_rounding_the_output_stage_cannot_read_is_rejected(record, rounding, scales, message):
     stream = _scheduled(_region(np.random.default_rng(5)), True)
     bad = dataclasses.replace(stream, commands=tuple(
-        dataclasses.replace(c, payload=dataclasses.replace(c.payload, scale_bias_record=record, rounding=rounding))
+        dataclasses.replace(c, payload=dataclasses.replace(c.payload, scale_bias_record=record, rounding=rounding,
+                                                           input_scale=scales[0], output_scale=scales[1]))
         if c.opcode == Opcode.CONV2D else c for c in stream.commands))
     with pytest.raises(StreamError, match=message):
         validate_stream(bad, CONFIG)

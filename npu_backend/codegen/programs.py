@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.isa import (WORD_RECORD, Command, Convolution, Elementwise, FeatureMap, Opcode, Pooling,
-                           Reduction, pack_scale_bias, scale_bias_record)
+                           Reduction, SCALE_RECORD, pack_scale_bias, pack_scale_records, scale_bias_record)
 from simulator.numerics import Rounding
 
 from ..params import ConvParams, ElementwiseParams, MeanParams, NpuOp, NpuParams, PoolParams
@@ -121,8 +121,8 @@ class WindowedProgram(RowProgram):
 class MacProgram(WindowedProgram):
     """CONV2D, DEPTHWISE_CONV2D and FULLY_CONNECTED: weights and the scale/bias table stay in SRAM.
 
-    ``packed``: the table in 9-byte records where the rounding allows (:func:`simulator.isa.scale_bias_record`),
-    a quarter fewer bytes to move; else the three words every stream format reads."""
+    ``packed``: the table in the rounding's short records (:func:`simulator.isa.scale_bias_record`: 9 bytes, a
+    quarter fewer to move, or 8 for a float64 scale, a third fewer); else the three words every format reads."""
 
     def __init__(self, opcode: Opcode, p: ConvParams, prepared, packed: bool = False):
         self.opcode, self.p, self.g = opcode, p, LayerGeometry.of(p)
@@ -134,9 +134,12 @@ class MacProgram(WindowedProgram):
         self.record = scale_bias_record(p.rounding) if packed else WORD_RECORD
         weights = np.ascontiguousarray(p.weights, dtype=np.int8)
         words = self.record == WORD_RECORD
+        if self.record == SCALE_RECORD.itemsize:  # the output stage forms the float64 scales from the float32 ones
+            records = pack_scale_records(table[:, 0], p.weight_scales)
+        else:
+            records = pack_scale_bias(table, self.record)
         self.constants = (Constant("weights", weights.tobytes(), weights.shape, "int8", g.weight_bytes(1)),
-                          Constant("scale_bias", pack_scale_bias(table, self.record),
-                                   table.shape if words else (len(table) * self.record,),
+                          Constant("scale_bias", records, table.shape if words else (len(table) * self.record,),
                                    "int32" if words else "uint8", self.record))
         self.splits_channels = not g.depthwise
 
@@ -151,7 +154,9 @@ class MacProgram(WindowedProgram):
             weights_address=constants[0], scale_bias_address=constants[1], kernel=g.kernel, stride=g.strides,
             dilation=g.dilation, padding=(w.pad_top, g.padding[1], w.pad_bottom, g.padding[3]),
             input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
-            act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding, scale_bias_record=self.record)
+            act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding, scale_bias_record=self.record,
+            **({"input_scale": p.input_scale, "output_scale": p.output_scale}
+               if self.record == SCALE_RECORD.itemsize else {}))
         return Command(self.opcode, conv, layer)
 
 

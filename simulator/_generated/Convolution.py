@@ -176,7 +176,21 @@ class Convolution(object):
             return self._tab.Get(flatbuffers.number_types.Uint8Flags, o + self._tab.Pos)
         return 12
 
-def ConvolutionStart(builder): builder.StartObject(20)
+    # Convolution
+    def InputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(44))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+    # Convolution
+    def OutputScale(self):
+        o = flatbuffers.number_types.UOffsetTFlags.py_type(self._tab.Offset(46))
+        if o != 0:
+            return self._tab.Get(flatbuffers.number_types.Float32Flags, o + self._tab.Pos)
+        return 0.0
+
+def ConvolutionStart(builder): builder.StartObject(22)
 def Start(builder):
     return ConvolutionStart(builder)
 def ConvolutionAddIfm(builder, ifm): builder.PrependUOffsetTRelativeSlot(0, flatbuffers.number_types.UOffsetTFlags.py_type(ifm), 0)
@@ -239,6 +253,12 @@ def AddRounding(builder, rounding):
 def ConvolutionAddScaleBiasRecord(builder, scaleBiasRecord): builder.PrependUint8Slot(19, scaleBiasRecord, 12)
 def AddScaleBiasRecord(builder, scaleBiasRecord):
     return ConvolutionAddScaleBiasRecord(builder, scaleBiasRecord)
+def ConvolutionAddInputScale(builder, inputScale): builder.PrependFloat32Slot(20, inputScale, 0.0)
+def AddInputScale(builder, inputScale):
+    return ConvolutionAddInputScale(builder, inputScale)
+def ConvolutionAddOutputScale(builder, outputScale): builder.PrependFloat32Slot(21, outputScale, 0.0)
+def AddOutputScale(builder, outputScale):
+    return ConvolutionAddOutputScale(builder, outputScale)
 def ConvolutionEnd(builder): return builder.EndObject()
 def End(builder):
     return ConvolutionEnd(builder)
