@@ -310,6 +310,37 @@ def test_a_lone_layer_is_cut_into_stripes_only_when_the_dma_they_hide_outweighs_
     assert counts == {"npu-256": [3, 3, 3, 3], "scalesim-16x16": [12]}
 
 
+def test_the_regions_first_layer_starts_with_a_short_stripe_and_grows_its_stripes():
+    """MobileNetV2's first convolution (96x96x3 -> 48x48x16, stride 2) reads the region's input from DRAM in
+    stripes, and nothing computes before its first stripe has loaded: that stripe is short, and each next one
+    grows while its rows still load during the stripe before it: 6, 7, 8, 9, 11, 7 rows. Against four stripes
+    of 12 rows, its first command starts at 668 cycles instead of 1,100 and the layer ends at 5,468 instead of
+    5,836; both compute the same values."""
+    from npu_backend.codegen import schedule as scheduling
+
+    rng = np.random.default_rng(21)
+    graph = _chain(rng, [(NpuOp.CONV2D, dict(out_channels=16, strides=(2, 2), padding=(0, 0, 1, 1))),
+                         (NpuOp.DEPTHWISE_CONV2D, {})], (1, 96, 96, 3))
+
+    def first_layer(stream, stats):
+        convs = [(c.payload.ofm.height, s) for c, s in zip(stream.commands, stats.commands)
+                 if c.opcode == Opcode.CONV2D]
+        return [height for height, _ in convs], convs[0][1].start, convs[-1][1].start + convs[-1][1].cycles
+
+    grown = first_layer(*_run_both(graph, NPU_256))
+    uniform_stops = scheduling.RegionScheduler._stops
+    try:
+        scheduling.RegionScheduler._stops = lambda self, strategy, members: (
+            list(range(12, 48, 12)) + [48] if members == [0] else uniform_stops(self, strategy, members))
+        uniform = first_layer(*_run_both(graph, NPU_256))
+    finally:
+        scheduling.RegionScheduler._stops = uniform_stops
+    heights, start, end = grown
+    assert uniform[0] == [12, 12, 12, 12] and sum(heights) == 48
+    assert heights[0] < 12 and heights[:-1] == sorted(heights[:-1]) and max(heights) <= 12
+    assert (heights, start, end) == ([6, 7, 8, 9, 11, 7], 668, 5468) and uniform[1:] == (1100, 5836)
+
+
 def test_the_tail_starts_where_compute_before_it_plus_its_constant_traffic_is_largest():
     """``tail_start`` by hand: compute per step and the DMA cycles of the constant loads issued at each."""
     from npu_backend.codegen.prefetch import tail_start

@@ -15,6 +15,8 @@ The strategy, and every decision of it, is here (and deep prefetch in :mod:`npu_
   *group* run stripe by stripe (rows of the group's last layer), each layer computing the rows its
   consumers' windows need in that stripe (rows shared by two stripes' windows are recomputed). A residual
   addition that consumes the group's last output joins the group.
+- **The region's first layer**, when it streams its input from DRAM in stripes, starts with a short stripe
+  (nothing can compute before it has loaded) and grows them while each still loads during the one before it.
 - **Channel tiles.** A convolution or fully connected layer whose constants exceed a quarter of SRAM runs
   in output-channel tiles whose weights stream in turn; a per-channel layer that alone reads it (depthwise,
   pooling, mean) runs each tile right after it from SRAM. A channel-tiled map goes to DRAM (strided per
@@ -241,6 +243,68 @@ class RegionScheduler:
                     return rows
         return strategy.stripe.get(members[0], height)
 
+    def _stops(self, strategy: Strategy, members: list[int]) -> list[int]:
+        """Where each stripe of the group's last layer ends (its output rows): every ``_rows`` rows, except that
+        the region's first layer, striped because it streams its input from DRAM, starts with short stripes that
+        grow (:meth:`_growing`)."""
+        rows = self._rows(strategy, members)
+        height = self.layers[members[-1]].program.out.height
+        uniform = list(range(rows, height, rows)) + [height]
+        if members != [0] or not 2 <= rows < height or 0 in strategy.stripe:
+            return uniform
+        return min(self._growing(strategy, rows), uniform, key=lambda ends: (self._first_layer_end(strategy, ends),
+                                                                           len(ends)))
+
+    def _growing(self, strategy: Strategy, rows: int) -> list[int]:
+        """Stripe ends for the region's first layer: nothing computes before its first stripe has loaded, so that
+        stripe is short, and each next one as tall (up to ``rows``) as still loads while the one before it computes,
+        so the compute engine need not wait again; of every first height, the one that ends the layer earliest
+        (:meth:`_first_layer_end`), the fewer stripes on a tie."""
+        layer = self.layers[0]
+        height = layer.program.out.height
+        candidates = []
+        for first in range(1, rows):
+            ends = [first]
+            while ends[-1] < height:
+                computed = self._compute_estimate(layer, ends[-2] if len(ends) > 1 else 0, ends[-1])
+                grow = [r for r in range(1, rows + 1)
+                        if self._load_estimate(layer, ends[-1], min(height, ends[-1] + r)) <= computed]
+                ends.append(min(height, ends[-1] + max(grow, default=1)))
+            candidates.append(ends)
+        return min(candidates, key=lambda ends: (self._first_layer_end(strategy, ends), len(ends)))
+
+    def _load_estimate(self, layer: Layer, first: int, stop: int) -> int:
+        """DMA cycles of loading the input rows the output rows ``[first, stop)`` of ``layer`` read (one
+        contiguous load per DRAM source)."""
+        total = 0
+        for operand, s in enumerate(x for x in layer.sources if x is not None):
+            v = self.values[s]
+            if v.dram is not None:
+                w = layer.program.window(operand, first, stop)
+                total += dma_cycles(self.config, (w.stop - w.start) * v.shape.row_bytes, 1)
+        return total
+
+    def _first_layer_end(self, strategy: Strategy, stops: list[int]) -> int:
+        """When the region's first layer ends with these stripes, in the order the emitter queues them: its
+        constants and first stripe's rows load; each stripe computes once its rows have loaded and the stripe
+        before it has computed, while the next stripe's rows load; its rows go to DRAM after it computes, if its
+        map lives there."""
+        layer = self.layers[0]
+        v = self.values[layer.dst]
+        row_bytes = v.shape.row_bytes if v.dram is not None and v.index not in strategy.resident else 0
+        dma = sum(dma_cycles(self.config, len(c.data), 1) for c in layer.program.constants)
+        bounds = list(zip([0] + stops[:-1], stops))
+        dma += self._load_estimate(layer, *bounds[0])
+        ready, done = dma, 0
+        for k, (start, stop) in enumerate(bounds):
+            if k + 1 < len(bounds):
+                dma += self._load_estimate(layer, *bounds[k + 1])
+            done = max(done, ready) + self._compute_estimate(layer, start, stop)
+            ready = dma
+            if row_bytes:
+                dma = max(dma, done) + dma_cycles(self.config, (stop - start) * row_bytes, 1)
+        return max(done, dma)
+
     def _compute_estimate(self, layer: Layer, first: int = 0, stop: int | None = None) -> int:
         """Cycles of output rows ``[first, stop)`` of the layer (all of them by default) as one command (the cycle
         model's figure; addresses do not matter)."""
@@ -383,7 +447,7 @@ class RegionScheduler:
                 follower = self.layers[members[1]] if len(members) == 2 else None
                 self._tiled(first, strategy.tile[first.index], strategy, follower)
             else:
-                self._group(members, self._rows(strategy, members), strategy)
+                self._group(members, self._stops(strategy, members), strategy)
         self._finish()
         return Schedule(self.steps, self.buffers, scratch)
 
@@ -437,13 +501,12 @@ class RegionScheduler:
                     sram, 0, size)
         return [Slice(sram, offset) for offset in offsets], [load]
 
-    def _group(self, members: list[int], rows: int, strategy: Strategy) -> None:
-        """Stripes of ``rows`` output rows of the last member; each member computes what its consumers in the
-        group read in that stripe, plus its share of what others read later."""
+    def _group(self, members: list[int], ends: list[int], strategy: Strategy) -> None:
+        """Stripes of the last member's output rows ending at ``ends``; each member computes what its consumers
+        in the group read in that stripe, plus its share of what others read later."""
         inside = set(members)
         last = self.layers[members[-1]]
-        height = last.program.out.height
-        count = -(-height // rows)
+        count = len(ends)
         done = {i: 0 for i in members}
         constants: dict[int, list[Slice]] = {}
         for k in range(count):
@@ -453,7 +516,7 @@ class RegionScheduler:
                 v = self.values[layer.dst]
                 h = layer.program.out.height
                 if i == last.index:
-                    ranges[i] = (done[i], min(height, (k + 1) * rows))
+                    ranges[i] = (done[i], ends[k])
                     continue
                 starts, stops = [], []
                 for c in v.consumers:
