@@ -28,6 +28,7 @@ from .emitter import emit_schedule
 from .programs import MapShape, row_program
 from .reorder import ready_first
 from .schedule import SCHEDULE_VARIANTS, RegionScheduler, ScheduleOptions
+from .split_loads import split_waiting_loads
 from .steps import Layer, ScheduleError, Value
 
 
@@ -143,7 +144,7 @@ def _stream(sb: StreamBuilder, config: NpuConfig, name: str, serial: bool = Fals
     if serial:
         return CommandStream(name=name, config=config, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
     return CommandStream(name=name, config=config, buffers=tuple(sb.buffers),
-                         commands=dependencies(ready_first(sb.commands, config), config))
+                         commands=dependencies(split_waiting_loads(ready_first(sb.commands, config), config), config))
 
 
 def _packed(stream: CommandStream) -> bool:
