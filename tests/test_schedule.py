@@ -394,7 +394,7 @@ def test_the_tail_policy_fills_sram_with_the_classifiers_weights_before_it_start
     tail_cycles, tail_loaded, tail_moves = run("tail")
     above_cycles, above_loaded, above_moves = run("above")
     # the classifier's 63 tiles of 16 channels (the last smaller): ``above`` moves each in a DMA command of its own
-    # (or in pieces: npu_backend.codegen.split_loads); tail moves most of them in runs of RUN_TILES per command;
+    # (or in pieces: npu_backend.codegen.split_copies); tail moves most of them in runs of RUN_TILES per command;
     # the runs shrink towards the end (their compute must hide under the loads still to come), and the last
     # load moves one tile, so that only one tile's compute follows it
     chunk = max(above_moves)
@@ -452,7 +452,7 @@ def test_constant_loads_next_to_each_other_in_dram_and_sram_merge_into_one():
 
 def test_a_load_splits_around_the_bytes_a_compute_command_still_reads():
     """``_pieces``: the destination ranges of a load (as offsets into it) clear of the busy ranges, and the rest."""
-    from npu_backend.codegen.split_loads import _pieces
+    from npu_backend.codegen.split_copies import _pieces
     from simulator.isa import DmaCopy, MemorySpace
 
     load = DmaCopy(MemorySpace.DRAM, 3, 500, MemorySpace.SRAM, -1, 1000, 4000)
@@ -461,10 +461,11 @@ def test_a_load_splits_around_the_bytes_a_compute_command_still_reads():
     assert _pieces(load, [(6000, 7000)]) == ([(0, 4000)], [])
 
 
-def test_the_free_bytes_of_a_waiting_load_go_first_on_mobilenet_v2():
-    """On 0.35-96 a classifier tile lands where the layer before the suffix still reads its constants: without
-    the pass the DMA engine idles until that layer ends. Split, the pieces move exactly the bytes the load
-    moved, the free ones first; the stream computes TFLite's outputs exactly and ends earlier."""
+def test_the_free_bytes_of_a_waiting_copy_move_first_on_mobilenet_v2():
+    """On 0.35-96 a classifier tile lands where the layer before the suffix still reads its constants, and the
+    output store waits for the classifier's last tile: without the pass the DMA engine idles until those end.
+    Split, the pieces move exactly the bytes each copy moved, the free ones first (the output's last piece is
+    the last tile's scores); the stream computes TFLite's outputs exactly and ends earlier."""
     import npu_backend
     from conftest import FIXTURES
     from npu_backend.codegen import graph as lowering
@@ -475,12 +476,12 @@ def test_the_free_bytes_of_a_waiting_load_go_first_on_mobilenet_v2():
     ((symbol, function),) = npu_regions(npu_backend.partition_for_npu(npu_backend.load_tflite(model))).items()
     graph = region_graph(function, symbol)
     split = lower_graph(graph, NPU_256, symbol)
-    original = lowering.split_waiting_loads
+    original = lowering.split_waiting_copies
     try:
-        lowering.split_waiting_loads = lambda commands, config: list(commands)
+        lowering.split_waiting_copies = lambda commands, config: list(commands)
         whole = lower_graph(graph, NPU_256, symbol)
     finally:
-        lowering.split_waiting_loads = original
+        lowering.split_waiting_copies = original
 
     def loads(stream):
         return {(c.payload.src_buffer, c.payload.src_offset, c.payload.dst_offset, c.payload.row_bytes)
@@ -497,3 +498,5 @@ def test_the_free_bytes_of_a_waiting_load_go_first_on_mobilenet_v2():
     np.testing.assert_array_equal(next(iter(outputs.values())).reshape(golden["outputs"][0].shape),
                                   golden["outputs"][0])
     assert stats.total_cycles < run_stream(whole, {name: golden["inputs"][0]})[1].total_cycles
+    stores = [c.payload.row_bytes for c in split.commands if c.opcode == Opcode.DMA_COPY and c.payload.dst_space == 0]
+    assert sum(stores) == 1000 and stores[-1] <= 16 and len(stores) > 1

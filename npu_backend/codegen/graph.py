@@ -28,7 +28,7 @@ from .emitter import emit_schedule
 from .programs import MapShape, row_program
 from .reorder import ready_first
 from .schedule import SCHEDULE_VARIANTS, RegionScheduler, ScheduleOptions
-from .split_loads import split_waiting_loads
+from .split_copies import split_waiting_copies
 from .steps import Layer, ScheduleError, Value
 
 
@@ -138,13 +138,14 @@ def lower_scheduled(graph: RegionGraph, config: NpuConfig, options: ScheduleOpti
 
 
 def _stream(sb: StreamBuilder, config: NpuConfig, name: str, serial: bool = False) -> CommandStream:
-    """The stream of the builder's commands: compute commands ready sooner moved ahead where that shortens the
-    makespan (:func:`ready_first`; the values are the same either way), then the dependencies their SRAM addresses
-    imply; ``serial``: neither, every command waits for the one before it (:func:`lower_graph`)."""
+    """The stream of the builder's commands: compute commands ready sooner moved ahead (:func:`ready_first`) and
+    DMAs waiting for part of their SRAM split so that their free bytes move first (:func:`split_waiting_copies`),
+    each where that shortens the makespan (the values are the same either way), then the dependencies their SRAM
+    addresses imply; ``serial``: none of these, every command waits for the one before it (:func:`lower_graph`)."""
     if serial:
         return CommandStream(name=name, config=config, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
-    return CommandStream(name=name, config=config, buffers=tuple(sb.buffers),
-                         commands=dependencies(split_waiting_loads(ready_first(sb.commands, config), config), config))
+    commands = split_waiting_copies(ready_first(sb.commands, config), config)
+    return CommandStream(name=name, config=config, buffers=tuple(sb.buffers), commands=dependencies(commands, config))
 
 
 def _packed(stream: CommandStream) -> bool:
