@@ -94,9 +94,9 @@ def check_convolution(stream: CommandStream, config: NpuConfig, opcode: Opcode, 
                           + " or ".join(f"{size} ({layout})" for size, layout in SCALE_BIAS_RECORDS.items()))
     double = conv.rounding in DOUBLE_SCALE_ROUNDINGS
     if conv.scale_bias_record != WORD_RECORD and double != (conv.scale_bias_record == SCALE_RECORD.itemsize):
-        raise StreamError(f"{where}: rounding {conv.rounding.name} takes "
-                          + (f"12- or {SCALE_RECORD.itemsize}-byte" if double else f"12- or {PACKED_RECORD.itemsize}-byte")
-                          + f" scale/bias records, not {conv.scale_bias_record}")
+        short = (SCALE_RECORD if double else PACKED_RECORD).itemsize
+        raise StreamError(f"{where}: rounding {conv.rounding.name} takes 12- or {short}-byte scale/bias records, "
+                          f"not {conv.scale_bias_record}")
     if conv.scale_bias_record == SCALE_RECORD.itemsize and not all(
             np.isfinite(s) and s > 0 for s in (conv.input_scale, conv.output_scale)):
         raise StreamError(f"{where}: {SCALE_RECORD.itemsize}-byte scale/bias records need positive finite input and "

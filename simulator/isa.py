@@ -387,7 +387,8 @@ SCALE_RECORD = np.dtype([("bias", "<i4"), ("weight_scale", "<f4")])
 ``double(input_scale) * double(weight_scale) / double(output_scale)`` (:func:`simulator.numerics.float_scales`),
 so the float32 weight scale is all a channel needs; the command carries the other two."""
 
-SCALE_BIAS_RECORDS = {WORD_RECORD: "three int32 words", PACKED_RECORD.itemsize: "int32 bias, int32 multiplier, int8 shift",
+SCALE_BIAS_RECORDS = {WORD_RECORD: "three int32 words",
+                      PACKED_RECORD.itemsize: "int32 bias, int32 multiplier, int8 shift",
                       SCALE_RECORD.itemsize: "int32 bias, float32 weight scale"}
 """Bytes per output channel a scale/bias record may take -> its layout (command_stream.fbs)."""
 

@@ -58,7 +58,8 @@ def _region(rng, rounding=Rounding.TFLITE_DOUBLE):
     mid = Tensor("conv_0.ofm", first.ofm_shape)
     second = dataclasses.replace(random_params(rng, NpuOp.CONV2D, mid.shape, out_channels=16), rounding=rounding)
     out = Tensor("conv_1.ofm", second.ofm_shape)
-    return RegionGraph((x,), (out,), (GraphLayer("conv_0", first, mid, (x,)), GraphLayer("conv_1", second, out, (mid,))))
+    return RegionGraph((x,), (out,),
+                       (GraphLayer("conv_0", first, mid, (x,)), GraphLayer("conv_1", second, out, (mid,))))
 
 
 def _scheduled(graph, packed: bool):

@@ -388,7 +388,8 @@ def test_the_tail_policy_fills_sram_with_the_classifiers_weights_before_it_start
                      and stream.buffers[c.payload.src_buffer].name.removesuffix(".constants") in tail
                      and s.start + s.cycles <= start)
         classifier = [c.payload.row_bytes for c in stream.commands if c.opcode == Opcode.DMA_COPY
-                      and c.payload.src_space == 0 and stream.buffers[c.payload.src_buffer].name == f"{names[-1]}.constants"]
+                      and c.payload.src_space == 0
+                      and stream.buffers[c.payload.src_buffer].name == f"{names[-1]}.constants"]
         return stats.total_cycles, loaded, classifier
 
     tail_cycles, tail_loaded, tail_moves = run("tail")

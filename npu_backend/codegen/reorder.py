@@ -38,7 +38,9 @@ def _touch(a: tuple[Access, ...], b: tuple[Access, ...]) -> bool:
                for x in a for y in b)
 
 
-class _Timing:
+class StreamTiming:
+    """A command list timed as a stream (for the passes that try changes to it and keep those that shorten it)."""
+
     def __init__(self, commands: list[Command], config: NpuConfig):
         self.commands, self.config = commands, config
         self.engines = [engine_of(c) for c in commands]
@@ -67,7 +69,7 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
     """The commands with compute commands moved ahead of a waiting one of their layer where that shortens the
     makespan (dependencies not yet derived: the caller derives them, as for any command list)."""
     commands = list(commands)
-    timing = _Timing(commands, config)
+    timing = StreamTiming(commands, config)
     touched = [accesses(c, config) for c in commands]
     order = list(range(len(commands)))
     best, starts, ends, deps, critical = timing.run(order)

@@ -23,7 +23,7 @@ from simulator.hazards import accesses
 from simulator.isa import Command, DmaCopy, MemorySpace
 from simulator.opcodes import Engine
 
-from .reorder import _Timing
+from .reorder import StreamTiming
 
 TRIALS = 8
 """Splits timed at most per stream (each times the whole stream again): copies on the critical path that wait,
@@ -48,7 +48,7 @@ def _pieces(copy: DmaCopy, busy: list[tuple[int, int]]) -> tuple[list[tuple[int,
     return free, taken
 
 
-def _waiting(commands: list[Command], p: int, timing: _Timing, ends: list[int], deps: list) -> list[int]:
+def _waiting(p: int, timing: StreamTiming, ends: list[int], deps: list) -> list[int]:
     """The commands the copy at ``p`` waits for: its dependencies that end after the DMA engine is free for it."""
     previous = next((q for q in range(p - 1, -1, -1) if timing.engines[q] == Engine.DMA), None)
     free = 0 if previous is None else ends[previous]
@@ -60,7 +60,7 @@ def split_waiting_copies(commands: list[Command], config: NpuConfig) -> list[Com
     of its SRAM bytes split so that its free bytes move first, the rest in the order they free, where that
     shortens the makespan (dependencies not yet derived: the caller derives them, as for any command list)."""
     commands = list(commands)
-    timing = _Timing(commands, config)
+    timing = StreamTiming(commands, config)
     best, starts, ends, deps, critical = timing.run(list(range(len(commands))))
     tried: set[int] = set()
     for _ in range(TRIALS):
@@ -70,7 +70,7 @@ def split_waiting_copies(commands: list[Command], config: NpuConfig) -> list[Com
             if id(command) in tried or not critical[p] or not isinstance(copy, DmaCopy) or copy.rows != 1 \
                     or MemorySpace.SRAM not in (copy.src_space, copy.dst_space) or copy.src_space == copy.dst_space:
                 continue
-            waits = _waiting(commands, p, timing, ends, deps)
+            waits = _waiting(p, timing, ends, deps)
             if not waits:
                 continue
             tried.add(id(command))
@@ -88,7 +88,7 @@ def split_waiting_copies(commands: list[Command], config: NpuConfig) -> list[Com
             break
         if split is None:
             break
-        trial = _Timing(split, config)
+        trial = StreamTiming(split, config)
         span, *rest = trial.run(list(range(len(split))))
         if span < best:
             commands, timing, best = split, trial, span
