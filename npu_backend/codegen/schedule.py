@@ -39,6 +39,7 @@ The strategy, and every decision of it, is here (and deep prefetch in :mod:`npu_
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from simulator.config import NpuConfig
@@ -134,6 +135,8 @@ class RegionScheduler:
                  options: ScheduleOptions = ScheduleOptions()):
         self.config, self.values, self.layers, self.options = config, values, layers, options
         self._planned: Strategy | None = None
+        self._estimates: dict[tuple, int] = {}  # (kind, layer, first row, stop row) -> compute or load cycles
+        self._grown: dict[tuple[int, bool], list[int]] = {}  # (rows, whether it stores) -> the first layer's stripes
 
     # ---- decisions -------------------------------------------------------------------------------------
 
@@ -262,27 +265,39 @@ class RegionScheduler:
         (:meth:`_first_layer_end`), the fewer stripes on a tie."""
         layer = self.layers[0]
         height = layer.program.out.height
+        key = (rows, self._stores_rows(strategy) > 0)
+        if key in self._grown:
+            return self._grown[key]
         candidates = []
         for first in range(1, rows):
             ends = [first]
             while ends[-1] < height:
                 computed = self._compute_estimate(layer, ends[-2] if len(ends) > 1 else 0, ends[-1])
-                grow = [r for r in range(1, rows + 1)
-                        if self._load_estimate(layer, ends[-1], min(height, ends[-1] + r)) <= computed]
-                ends.append(min(height, ends[-1] + max(grow, default=1)))
+                fits = lambda r: self._load_estimate(layer, ends[-1], min(height, ends[-1] + r)) <= computed  # noqa
+                grow = bisect.bisect_left(range(1, rows + 1), True, key=lambda r: not fits(r))  # loads grow with r
+                ends.append(min(height, ends[-1] + max(grow, 1)))
             candidates.append(ends)
-        return min(candidates, key=lambda ends: (self._first_layer_end(strategy, ends), len(ends)))
+        self._grown[key] = min(candidates, key=lambda ends: (self._first_layer_end(strategy, ends), len(ends)))
+        return self._grown[key]
+
+    def _stores_rows(self, strategy: Strategy) -> int:
+        """Bytes per output row the region's first layer stores to DRAM (0: its map stays in SRAM)."""
+        v = self.values[self.layers[0].dst]
+        return v.shape.row_bytes if v.dram is not None and v.index not in strategy.resident else 0
 
     def _load_estimate(self, layer: Layer, first: int, stop: int) -> int:
         """DMA cycles of loading the input rows the output rows ``[first, stop)`` of ``layer`` read (one
         contiguous load per DRAM source)."""
-        total = 0
-        for operand, s in enumerate(x for x in layer.sources if x is not None):
-            v = self.values[s]
-            if v.dram is not None:
-                w = layer.program.window(operand, first, stop)
-                total += dma_cycles(self.config, (w.stop - w.start) * v.shape.row_bytes, 1)
-        return total
+        key = ("load", layer.index, first, stop)
+        if key not in self._estimates:
+            total = 0
+            for operand, s in enumerate(x for x in layer.sources if x is not None):
+                v = self.values[s]
+                if v.dram is not None:
+                    w = layer.program.window(operand, first, stop)
+                    total += dma_cycles(self.config, (w.stop - w.start) * v.shape.row_bytes, 1)
+            self._estimates[key] = total
+        return self._estimates[key]
 
     def _first_layer_end(self, strategy: Strategy, stops: list[int]) -> int:
         """When the region's first layer ends with these stripes, in the order the emitter queues them: its
@@ -290,8 +305,7 @@ class RegionScheduler:
         before it has computed, while the next stripe's rows load; its rows go to DRAM after it computes, if its
         map lives there."""
         layer = self.layers[0]
-        v = self.values[layer.dst]
-        row_bytes = v.shape.row_bytes if v.dram is not None and v.index not in strategy.resident else 0
+        row_bytes = self._stores_rows(strategy)
         dma = sum(dma_cycles(self.config, len(c.data), 1) for c in layer.program.constants)
         bounds = list(zip([0] + stops[:-1], stops))
         dma += self._load_estimate(layer, *bounds[0])
@@ -310,10 +324,13 @@ class RegionScheduler:
         model's figure; addresses do not matter)."""
         program = layer.program
         stop = program.out.height if stop is None else stop
-        ifms = [Operand(0, program.window(i, first, stop)) for i in range(len(program.inputs))]
-        command = program.command(layer.name, first, stop, 0, program.out.channels, ifms, 0,
-                                  [0] * len(program.constants))
-        return opcode_def(command.opcode).cost(command.opcode, command.payload, self.config).cycles
+        key = ("compute", layer.index, first, stop)
+        if key not in self._estimates:
+            ifms = [Operand(0, program.window(i, first, stop)) for i in range(len(program.inputs))]
+            command = program.command(layer.name, first, stop, 0, program.out.channels, ifms, 0,
+                                      [0] * len(program.constants))
+            self._estimates[key] = opcode_def(command.opcode).cost(command.opcode, command.payload, self.config).cycles
+        return self._estimates[key]
 
     def _relieve(self, strategy: Strategy, schedule: Schedule, failed: SramBuffer) -> bool:
         """Change one decision to make room at the step where ``failed`` did not fit; False if none helps."""
