@@ -70,8 +70,8 @@ def emit_schedule(sb: StreamBuilder, schedule: Schedule, values: list[Value]) ->
 
 def coalesced(loads: list[Load]) -> list[Load]:
     """The loads with each run of consecutive constant loads that lie next to one another both in DRAM and in
-    SRAM, in the same order (the tail policy pairs a streamed layer's tiles so:
-    :meth:`npu_backend.codegen.prefetch._TailWalk.pair`), merged into one. The DMA engine runs them back to
+    SRAM, in the same order (the tail policy places runs of a streamed layer's tiles so:
+    :meth:`npu_backend.codegen.prefetch._TailWalk.run_of`), merged into one. The DMA engine runs them back to
     back anyway, so the merged load ends when the last of them would have and pays one latency instead of
     one each; only the first one's readers wait longer, for bytes that were next in the queue."""
     merged: list[Load] = []
