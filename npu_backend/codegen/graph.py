@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from simulator.config import NpuConfig
-from simulator.hazards import dependencies
 from simulator.isa import WORD_RECORD, BufferKind, CommandStream, Convolution
 from simulator.timeline import schedule
 
@@ -144,8 +143,8 @@ def _stream(sb: StreamBuilder, config: NpuConfig, name: str, serial: bool = Fals
     addresses imply; ``serial``: none of these, every command waits for the one before it (:func:`lower_graph`)."""
     if serial:
         return CommandStream(name=name, config=config, buffers=tuple(sb.buffers), commands=tuple(sb.commands))
-    commands = split_waiting_copies(ready_first(sb.commands, config), config)
-    return CommandStream(name=name, config=config, buffers=tuple(sb.buffers), commands=dependencies(commands, config))
+    commands = split_waiting_copies(ready_first(sb.commands, config), config)  # dependencies derived
+    return CommandStream(name=name, config=config, buffers=tuple(sb.buffers), commands=tuple(commands))
 
 
 def _packed(stream: CommandStream) -> bool:

@@ -136,8 +136,9 @@ class MacProgram(WindowedProgram):
         words = self.record == WORD_RECORD
         if self.record == SCALE_RECORD.itemsize:  # the output stage forms the float64 scales from the float32 ones
             records = pack_scale_records(table[:, 0], p.weight_scales)
+            self.scales = (p.input_scale, p.output_scale)
         else:
-            records = pack_scale_bias(table, self.record)
+            records, self.scales = pack_scale_bias(table, self.record), (0.0, 0.0)
         self.constants = (Constant("weights", weights.tobytes(), weights.shape, "int8", g.weight_bytes(1)),
                           Constant("scale_bias", records, table.shape if words else (len(table) * self.record,),
                                    "int32" if words else "uint8", self.record))
@@ -155,8 +156,7 @@ class MacProgram(WindowedProgram):
             dilation=g.dilation, padding=(w.pad_top, g.padding[1], w.pad_bottom, g.padding[3]),
             input_zero_point=p.input_zero_point, output_zero_point=p.output_zero_point,
             act_min=p.clamp[0], act_max=p.clamp[1], rounding=p.rounding, scale_bias_record=self.record,
-            **({"input_scale": p.input_scale, "output_scale": p.output_scale}
-               if self.record == SCALE_RECORD.itemsize else {}))
+            input_scale=self.scales[0], output_scale=self.scales[1])
         return Command(self.opcode, conv, layer)
 
 

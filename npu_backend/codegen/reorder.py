@@ -46,10 +46,10 @@ class StreamTiming:
         self.engines = [engine_of(c) for c in commands]
         self.cycles = [opcode_def(c.opcode).cost(c.opcode, c.payload, config).cycles for c in commands]
 
-    def run(self, order: list[int]) -> tuple[int, list[int], list[int], list[tuple[int, ...]], list[bool]]:
+    def run(self, order: list[int]) -> tuple[int, list[int], list[int], list[Command], list[bool]]:
         """Makespan, start and end per position (:func:`simulator.timeline.schedule` of the commands in
-        ``order``), each position's dependencies (positions), and whether it is critical: whether ending later
-        would end the stream later."""
+        ``order``), the commands in that order with their dependencies derived (positions), and whether each is
+        critical: whether ending later would end the stream later."""
         derived = dependencies([self.commands[i] for i in order], self.config)
         slots = schedule(CommandStream("reorder", self.config, (), derived), self.config)
         starts, ends = [s.start for s in slots], [s.end for s in slots]
@@ -62,7 +62,7 @@ class StreamTiming:
         for p in range(len(order) - 1, -1, -1):
             for d in before[p]:
                 latest[d] = min(latest[d], latest[p] - (ends[p] - starts[p]))
-        return span, starts, ends, [c.deps for c in derived], [late == end for late, end in zip(latest, ends)]
+        return span, starts, ends, derived, [late == end for late, end in zip(latest, ends)]
 
 
 def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig) -> list[Command]:
@@ -72,7 +72,7 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
     timing = StreamTiming(commands, config)
     touched = [accesses(c, config) for c in commands]
     order = list(range(len(commands)))
-    best, starts, ends, deps, critical = timing.run(order)
+    best, starts, ends, derived, critical = timing.run(order)
     trials = 0
     p = len(order) - 1
     while p > 0 and trials < TRIALS:
@@ -85,7 +85,7 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
                      and timing.engines[order[q]] == Engine.COMPUTE and commands[order[q]].layer == commands[i].layer)
             for q in itertools.islice(later, WINDOW):
                 j = order[q]
-                ready = max([free] + [ends[d] for d in deps[q]])
+                ready = max([free] + [ends[d] for d in derived[q].deps])
                 if ready + timing.cycles[j] > starts[p]:
                     continue  # it would not end before the waiting one starts, which would then wait longer
                 if any(_touch(touched[j], touched[order[r]]) for r in range(p, q)):
@@ -94,7 +94,7 @@ def ready_first(commands: list[Command] | tuple[Command, ...], config: NpuConfig
                 trials += 1
                 span, *rest = timing.run(trial)
                 if span < best:
-                    order, best, (starts, ends, deps, critical) = trial, span, rest
+                    order, best, (starts, ends, derived, critical) = trial, span, rest
                     p += 2  # after the step back below: the one that waited, now a place later, again
                     break
         p -= 1

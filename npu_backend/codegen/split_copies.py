@@ -48,20 +48,20 @@ def _pieces(copy: DmaCopy, busy: list[tuple[int, int]]) -> tuple[list[tuple[int,
     return free, taken
 
 
-def _waiting(p: int, timing: StreamTiming, ends: list[int], deps: list) -> list[int]:
+def _waiting(p: int, timing: StreamTiming, ends: list[int], derived: list[Command]) -> list[int]:
     """The commands the copy at ``p`` waits for: its dependencies that end after the DMA engine is free for it."""
     previous = next((q for q in range(p - 1, -1, -1) if timing.engines[q] == Engine.DMA), None)
     free = 0 if previous is None else ends[previous]
-    return [q for q in deps[p] if ends[q] > free]
+    return [q for q in derived[p].deps if ends[q] > free]
 
 
 def split_waiting_copies(commands: list[Command], config: NpuConfig) -> list[Command]:
     """The commands with each one-row DMA between DRAM and SRAM that waits for a compute command still using part
     of its SRAM bytes split so that its free bytes move first, the rest in the order they free, where that
-    shortens the makespan (dependencies not yet derived: the caller derives them, as for any command list)."""
+    shortens the makespan; with their dependencies derived (the last timing derived them already)."""
     commands = list(commands)
     timing = StreamTiming(commands, config)
-    best, starts, ends, deps, critical = timing.run(list(range(len(commands))))
+    best, starts, ends, derived, critical = timing.run(list(range(len(commands))))
     tried: set[int] = set()
     for _ in range(TRIALS):
         split = None
@@ -70,7 +70,7 @@ def split_waiting_copies(commands: list[Command], config: NpuConfig) -> list[Com
             if id(command) in tried or not critical[p] or not isinstance(copy, DmaCopy) or copy.rows != 1 \
                     or MemorySpace.SRAM not in (copy.src_space, copy.dst_space) or copy.src_space == copy.dst_space:
                 continue
-            waits = _waiting(p, timing, ends, deps)
+            waits = _waiting(p, timing, ends, derived)
             if not waits:
                 continue
             tried.add(id(command))
@@ -92,5 +92,5 @@ def split_waiting_copies(commands: list[Command], config: NpuConfig) -> list[Com
         span, *rest = trial.run(list(range(len(split))))
         if span < best:
             commands, timing, best = split, trial, span
-            starts, ends, deps, critical = rest
-    return commands
+            starts, ends, derived, critical = rest
+    return derived
