@@ -152,7 +152,7 @@ def instrument() -> Phases:
     import npu_backend.partition as partition
     import npu_backend.quantization as quantization
     import simulator.batch as batch
-    from npu_backend.quantization import batched_float, observers, parallel, steps
+    from npu_backend.quantization import batched_float, integer_sums, observers, parallel, steps
 
     calibrate = sys.modules["npu_backend.quantization.calibrate"]  # the package's calibrate() shadows it
     from simulator.isa import Opcode
@@ -186,14 +186,25 @@ def instrument() -> Phases:
     phases.wrap(observers, "_sample_counts", "observers: histograms")
     phases.wrap(calibrate, "choose_range", "observers: choose_range")
     phases.wrap(batched_float.LayerSums, "channel_extremes", "accumulator peaks")
+    phases.wrap(integer_sums.IntegerSums, "__init__", "integer sums (numpy BLAS)")
+    phases.wrap(integer_sums.IntegerSums, "channel_extremes", "accumulator peaks")
+    phases.wrap(integer_sums.IntegerSums, "channel_totals", "bias correction")
+    phases.wrap(integer_sums.IntegerSums, "npu_outputs", "NPU output stage (from the sums)")
+    phases.wrap(steps, "centre_host", "centre int8 inputs (to channels last)")
+    phases.wrap(observers, "int8_summary", "observers: int8 output histograms")
+    phases.wrap(integer_sums, "to_channels_first", "NPU output stage: int8 to channels first")
+    phases.wrap(steps.NpuLayer, "_build", "NPU layer: lower to a stream")
     phases.wrap(calibrate, "_accumulator_peaks", "accumulator peaks")
     phases.wrap(batched_float.Observation, "accumulator_sums", "bias correction")
     phases.wrap(calibrate, "_bias_shift", "bias correction")
     phases.wrap(calibrate, "_energies", "SQNR energies")
+    phases.wrap(calibrate, "_quantized_energies", "SQNR energies")
+    phases.wrap(calibrate, "centre_host", "centre int8 inputs (to channels last)")
+    phases.wrap(calibrate, "int8_summary", "observers: int8 output histograms")
     for module in (steps, calibrate):
         phases.wrap(module, "quantize_host", "quantize/dequantize on the host")
         phases.wrap(module, "dequantize_host", "quantize/dequantize on the host")
-    for module in (batched_float, observers, steps, calibrate):
+    for module in (batched_float, integer_sums, observers, steps, calibrate):
         phases.wrap_shared(module, "run_all")
     phases.wrap(quantization, "walk", "walk: everything else")
     phases.wrap(quantization, "emit_module", "emit the QDQ module")

@@ -85,19 +85,34 @@ def mac_output(opcode: Opcode, conv: Convolution, config: NpuConfig, ifm: np.nda
     # One exact type for the whole command: its bound covers every sample (and leaves room for the bias).
     bound = sum_bound(ifm, conv.input_zero_point, weights) + int(np.abs(bias.astype(np.int64)).max(initial=0))
     dtype = sum_dtype(bound)
-    # The adder tree is exact; the register (accumulator_bits wide, 48 bits for 16x8) receives bias + sum.
-    bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
     samples = ifm.reshape(-1, *ifm.shape[-3:])
     step = max(1, MAC_CHUNK // conv.ofm.size)  # a batch, a few samples at a time
     parts, overflows = [], 0
     for start in range(0, len(samples), step):
         exact = exact_sums(opcode, conv, samples[start:start + step], weights, dtype=dtype)
         exact += bias  # exact in the sums' own type
-        acc, count = narrow_accumulator(exact, bits, config.accumulator_overflow)
-        parts.append(OUTPUT_STAGES[conv.ofm.dtype](acc, table, conv))
+        out, count = mac_register_output(exact, conv, config, table)
+        parts.append(out)
         overflows += count
     out = parts[0] if len(parts) == 1 else np.concatenate(parts)
     return out.reshape(*ifm.shape[:-3], *out.shape[1:]), overflows
+
+
+def mac_register_output(exact: np.ndarray, conv: Convolution, config: NpuConfig, table: np.ndarray,
+                        largest: int | None = None) -> tuple[np.ndarray, int]:
+    """What a MAC-array command writes from its exact accumulator values (sums plus bias, ``[..., OC]``, in any
+    exact type): the register's width and overflow mode (``accumulator_bits`` wide, 48 bits for 16x8), then the
+    output stage; and how many accumulators overflowed. Calibration computes the sums of a whole layer its own
+    way and hands them here, so that its outputs are this stage's, not a copy of it. ``largest``: ``max|exact|``
+    when the caller knows it (a bound that is not attained would do too): the register and the stage then skip
+    their scans of the values."""
+    bits = ACTIVATION_FORMATS[conv.ifm.dtype].accumulator_bits or config.accumulator_bits
+    if largest is not None and largest < 1 << (bits - 1):
+        acc, count = exact, 0  # the register holds every value
+    else:
+        acc, count = narrow_accumulator(exact, bits, config.accumulator_overflow)
+        largest = None
+    return OUTPUT_STAGES[conv.ofm.dtype](acc, table, conv, largest), count
 
 
 def _run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, config: NpuConfig) -> int:
@@ -109,15 +124,17 @@ def _run_convolution(state: MachineState, opcode: Opcode, conv: Convolution, con
     return overflows
 
 
-def _int8_output_stage(acc: np.ndarray, table: np.ndarray, conv: Convolution) -> np.ndarray:
+def _int8_output_stage(acc: np.ndarray, table: np.ndarray, conv: Convolution, largest: int | None = None
+                       ) -> np.ndarray:
     if conv.rounding in DOUBLE_SCALE_ROUNDINGS:
         scales = np.ascontiguousarray(table[:, 1:3]).view(np.float64).reshape(-1)
         return requantize_float(acc, scales, conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
     return requantize(acc, table[:, 1].astype(np.int64), table[:, 2].astype(np.int64),
-                      conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding)
+                      conv.output_zero_point, conv.act_min, conv.act_max, conv.rounding, largest=largest)
 
 
-def _int16_output_stage(acc: np.ndarray, table: np.ndarray, conv: Convolution) -> np.ndarray:
+def _int16_output_stage(acc: np.ndarray, table: np.ndarray, conv: Convolution, largest: int | None = None
+                        ) -> np.ndarray:
     return requantize_16x8(acc, table[:, 1], table[:, 2], conv.output_zero_point, conv.act_min, conv.act_max)
 
 

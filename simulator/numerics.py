@@ -288,13 +288,15 @@ def multiply_by_quantized_multiplier(acc, multiplier, shift, rounding=Rounding.T
 
 
 def requantize(acc, multiplier, shift, output_zero_point, act_min, act_max,
-               rounding=Rounding.TFLITE_DOUBLE, out_dtype=np.int8):
-    """Output stage: rescale accumulators, add the output zero point, clamp, narrow."""
+               rounding=Rounding.TFLITE_DOUBLE, out_dtype=np.int8, largest: int | None = None):
+    """Output stage: rescale accumulators, add the output zero point, clamp, narrow. ``largest``: ``max|acc|``
+    (or a bound of it) when the caller knows it, instead of a scan."""
     info = np.iinfo(out_dtype)
     if not info.min <= act_min <= act_max <= info.max:
         raise NumericsError(f"activation clamp [{act_min}, {act_max}] is outside {np.dtype(out_dtype).name}")
     if rounding == Rounding.TFLITE_DOUBLE:
-        fast = _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act_min, act_max, out_dtype)
+        fast = _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act_min, act_max, out_dtype,
+                                             largest)
         if fast is not None:
             return fast
     scaled = multiply_by_quantized_multiplier(acc, multiplier, shift, rounding)
@@ -546,7 +548,8 @@ def _cached_requantizer(multiplier: bytes, shift: bytes, output_zero_point: int,
                                act_min, act_max)
 
 
-def _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act_min, act_max, out_dtype):
+def _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act_min, act_max, out_dtype,
+                                  largest=None):
     """``Rounding.TFLITE_DOUBLE`` requantization by a :class:`Float64Requantizer`; None where it cannot be exact.
 
     A stream's commands requantize with the same numbers on every run: their plans are kept (a few hundred)."""
@@ -555,7 +558,7 @@ def _requantize_double_in_float64(acc, multiplier, shift, output_zero_point, act
     if m.ndim > 1 or s.ndim > 1:
         return None
     plan = _cached_requantizer(m.tobytes(), s.tobytes(), int(output_zero_point), int(act_min), int(act_max))
-    if x.size == 0 or plan.scale.ndim != 1 or largest_magnitude(x) > plan.limit:
+    if x.size == 0 or plan.scale.ndim != 1 or (largest_magnitude(x) if largest is None else largest) > plan.limit:
         return None
     out = np.empty(x.shape, out_dtype)
     plan.apply(x, out)

@@ -7,18 +7,24 @@ which :func:`npu_backend.codegen.graph.lower_graph` schedules and emits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+import numpy as np
 import tvm
 from tvm import relax
 
 from simulator.config import NpuConfig
-from simulator.isa import CommandStream
+from simulator.isa import CommandStream, Convolution, Opcode
 
 from ..errors import UnsupportedOpError
-from ..ops import decode_composite
-from ..params import OPERANDS_ATTR
+from ..legality import check
+from ..ops import decode_composite, op_def
+from ..params import OPERANDS_ATTR, ConvParams, TransposeParams
 from .graph import GraphLayer, RegionGraph, Tensor, lower_graph, lower_layer
+from .programs import MacProgram, Operand, row_program
 
-__all__ = ["lower_layer", "lower_region", "lower_module", "npu_regions", "region_graph", "CONFIG_ATTR"]
+__all__ = ["lower_layer", "lower_region", "lower_module", "npu_regions", "region_graph", "mac_layer", "MacLayer",
+           "CONFIG_ATTR"]
 
 CONFIG_ATTR = "npu.config"
 """Region attribute: the JSON of the ``NpuConfig`` the region was partitioned for."""
@@ -78,3 +84,40 @@ def lower_module(mod: tvm.IRModule, **options) -> dict[str, CommandStream]:
     """Command streams of every NPU region of a partitioned module (for ``npu compile``; ``options``:
     :func:`lower_graph`'s)."""
     return {symbol: lower_region(func, symbol, **options) for symbol, func in npu_regions(mod).items()}
+
+
+@dataclass(frozen=True)
+class MacLayer:
+    """A region that is one MAC-array layer, as one command over the whole layer would run it: what calibration
+    needs to turn the layer's exact sums into the NPU's outputs (:func:`simulator.kernels.mac_register_output`)
+    without lowering and simulating the region. The values are the lowering's own: the record, the multipliers
+    its legality check prepared, and the command its row program writes."""
+
+    opcode: Opcode
+    conv: Convolution
+    params: ConvParams
+    table: np.ndarray
+    """Bias, multiplier and shift words per output channel."""
+    config: NpuConfig
+
+
+def mac_layer(func: relax.Function, symbol: str) -> MacLayer | None:
+    """The region as a :class:`MacLayer` when it computes a single convolution, depthwise convolution or fully
+    connected layer whose row program the scheduler would use, with at most the layout transposes of an NCHW
+    model around it (they move bytes, never change a value); None otherwise."""
+    config = NpuConfig.from_json(str(func.attrs[CONFIG_ATTR]))
+    graph = region_graph(func, symbol)
+    macs = [g for g in graph.layers if isinstance(g.params, ConvParams)]
+    if len(macs) != 1 or not all(isinstance(g.params, (ConvParams, TransposeParams)) for g in graph.layers):
+        return None
+    (layer,) = macs
+    reason, _, prepared = check(op_def(layer.params.op), layer.params, config)
+    if reason is not None:
+        return None
+    program = row_program(layer.params, prepared, list(layer.operands))
+    if not isinstance(program, MacProgram):
+        return None
+    g = program.g
+    whole = program.command(layer.name, 0, g.out_height, 0, g.out_channels,
+                            [Operand(0, program.window(0, 0, g.out_height))], 0, [0, 0])
+    return MacLayer(program.opcode, whole.payload, layer.params, program.table, config)

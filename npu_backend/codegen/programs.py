@@ -131,6 +131,9 @@ class MacProgram(WindowedProgram):
         self.inputs = (MapShape(g.height, g.width, g.in_channels, e),)
         multiplier, shift = prepared
         table = np.stack([p.bias.astype(np.int32), multiplier, shift], axis=1).astype("<i4")
+        self.table = table
+        """The three words per output channel the output stage reads (:func:`simulator.isa.scale_bias_words`),
+        whatever record the constant is packed in."""
         self.record = scale_bias_record(p.rounding) if packed else WORD_RECORD
         weights = np.ascontiguousarray(p.weights, dtype=np.int8)
         words = self.record == WORD_RECORD

@@ -53,12 +53,19 @@ class WeightedPlan:
     weight_order: tuple[int, ...]
     """Transpose of the layer's weight to the opcode's ``[OC, KH, KW, IC]`` (depthwise: then ``[..., 0]``)."""
 
-    def sums(self, x: np.ndarray, weight: np.ndarray) -> np.ndarray:
-        """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32."""
+    def sums(self, x: np.ndarray, weight: np.ndarray, then=None) -> np.ndarray | tuple[np.ndarray, list]:
+        """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32.
+        With ``then``: also ``[then(sums of a chunk) for each chunk]`` in order, each called on the thread that
+        formed the chunk, while its values are in cache."""
         x, w = self._operands(x, weight)
         out = buffers.empty(self._out_shape(x, w), np.float32)
-        run_all(lambda part: self._sums_into(x[part], w, out[part]), chunks(len(x), x[0].size))
-        return out
+
+        def chunk(part: slice):
+            self._sums_into(x[part], w, out[part])
+            return None if then is None else then(out[part])
+
+        results = run_all(chunk, chunks(len(x), x[0].size))
+        return out if then is None else (out, results)
 
     def finished(self, layer: Layer, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None):
         """(accumulator, output) of the layer on ``x``: its sums, plus the bias in its own shape, then the clamp,

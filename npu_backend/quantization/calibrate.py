@@ -25,12 +25,16 @@ from simulator.tables import LOGISTIC_OUTPUT, TANH_OUTPUT
 from ..errors import NpuError
 from .config import QConfig
 from .layers import Layer, Output, function_outputs, resolve
-from .observers import RangeRequest, TensorStats, activation_qparams, choose_range, quantize_weights
+from .observers import (RangeRequest, TensorStats, activation_qparams, choose_range, extremes_range, int8_summary,
+                        quantize_weights)
 from .rewrite import TensorQ, WeightQ
+from simulator.macs import FLOAT32_EXACT
+
 from .batched_float import HostObservation
+from .integer_sums import IntegerObservation, IntegerSums, exact_bound
 from . import buffers, headroom, reconstruct
 from .parallel import run_all
-from .steps import FloatLayers, NpuLayer, ReferencePass, dequantize_host, quantize_host
+from .steps import Centred, FloatLayers, NpuLayer, ReferencePass, centre_host, dequantize_host, quantize_host
 
 FLOAT_MODEL_METHODS = frozenset({"kl"})
 """Range methods that observe a layer's output in the float model rather than on its quantized inputs. KL's
@@ -92,6 +96,14 @@ class _Energy:
             self.signal += signal
             self.noise += noise
 
+    def add_quantized(self, references: np.ndarray, values: np.ndarray, q: TensorQ) -> None:
+        """:meth:`add_samples` with the dequantized int8 ``values`` (:func:`.steps.dequantize_host`'s float32
+        values), formed a block at a time rather than as a batch-sized array."""
+        for signal, noise in run_all(lambda n: _quantized_energies(references[n], values[n], q),
+                                     range(len(references))):
+            self.signal += signal
+            self.noise += noise
+
     @property
     def db(self) -> float:
         if self.noise == 0.0:
@@ -107,6 +119,28 @@ def _energies(reference: np.ndarray, value: np.ndarray) -> tuple[float, float]:
     signal = float(np.dot(difference, difference))
     np.subtract(difference, value.reshape(-1), out=difference)
     return signal, float(np.dot(difference, difference))
+
+
+ENERGY_BLOCK = 1 << 15
+"""Values :func:`_quantized_energies` takes at a time (float64 and float32 blocks that stay in cache)."""
+
+
+def _quantized_energies(reference: np.ndarray, values: np.ndarray, q: TensorQ) -> tuple[float, float]:
+    """:func:`_energies` of a sample against int8 ``values`` with qparams ``q``: each block dequantized in float32
+    as the host's dequantize does (``(x - zp) * scale``), its energies summed in float64."""
+    ref, vals = reference.reshape(-1), values.reshape(-1)
+    wide = buffers.empty(min(ref.size, ENERGY_BLOCK), np.float64)
+    narrow = buffers.empty(min(ref.size, ENERGY_BLOCK), np.float32)
+    signal = noise = 0.0
+    for start in range(0, ref.size, ENERGY_BLOCK):
+        r, v = wide[:min(ENERGY_BLOCK, ref.size - start)], narrow[:min(ENERGY_BLOCK, ref.size - start)]
+        np.copyto(r, ref[start:start + ENERGY_BLOCK])
+        signal += float(np.dot(r, r))
+        np.subtract(vals[start:start + ENERGY_BLOCK], np.float32(q.zero_point), out=v, dtype=np.float32)
+        v *= np.float32(q.scale)
+        np.subtract(r, v, out=r)
+        noise += float(np.dot(r, r))
+    return signal, noise
 
 
 class Context:
@@ -154,16 +188,52 @@ def _method_name(config: QConfig) -> str:
     return method if isinstance(method, str) else getattr(method, "__name__", "callable")
 
 
-def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: Plan, name: str,
-            records: list) -> TensorQ:
-    config = ctx.config
+def _given(ctx: Context, layer: Layer | None, plan: Plan) -> TensorQ | None:
+    """A layer's output qparams that no observation chooses: its input's (a layer that moves int8 values), or
+    those TFLite's kernels fix."""
     if layer is not None and layer.kind.output == Output.INPUT and layer.inputs[0] in plan.tensors:
         return plan.tensors[layer.inputs[0]]
     if layer is not None and layer.kind.output == Output.FIXED and ctx.source == "tflite":
         scale, zp = FIXED_OUTPUTS[layer.kind.fixed_op]
         return TensorQ(float(np.float32(scale)), int(zp))
-    widen = (layer is not None and config.output_headroom != 0 and config.global_scale is None
-             and layer.output in ctx.outputs)
+    return None
+
+
+def _widened(ctx: Context, layer: Layer | None) -> bool:
+    """A model output's range gets headroom, cross-validated on its samples (headroom.py)."""
+    config = ctx.config
+    return (layer is not None and config.output_headroom != 0 and config.global_scale is None
+            and layer.output in ctx.outputs)
+
+
+def _extremes_suffice(ctx: Context, layer: Layer, plan: Plan) -> bool:
+    """The output range follows from the output's extremes alone: minmax, or a global scale (which needs none)."""
+    config = ctx.config
+    return ((config.global_scale is not None or config.calibration == "minmax") and _given(ctx, layer, plan) is None
+            and not _widened(ctx, layer))
+
+
+def _choose_from_extremes(ctx: Context, low: float, high: float, name: str, records: list) -> TensorQ:
+    """:func:`_choose` from the output's extremes, for :func:`_extremes_suffice`. The record's summary is left
+    empty: it is filled from the NPU's int8 output (:func:`.observers.int8_summary`) once the layer has run."""
+    config = ctx.config
+    if config.global_scale is not None:
+        lo, hi, method, symmetric = -float(config.global_scale), float(config.global_scale), "global_scale", True
+    else:
+        lo, hi = extremes_range(low, high, _request(config))
+        method, symmetric = _method_name(config), config.symmetric_activations
+    scale, zp = activation_qparams(lo, hi, bits=8, symmetric=symmetric, power_of_two=config.power_of_two)
+    records.append(TensorRecord(name, method, {"min": low, "max": high}, float(scale), int(zp)))
+    return TensorQ(float(scale), int(zp))
+
+
+def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: Plan, name: str,
+            records: list) -> TensorQ:
+    config = ctx.config
+    given = _given(ctx, layer, plan)
+    if given is not None:
+        return given
+    widen = _widened(ctx, layer)
     if widen:  # a model output: its samples are kept to cross-validate its headroom (headroom.py)
         values = np.stack([np.array(v) for v in values])  # copies: batches may reuse their buffers
     stats = TensorStats(bins=config.bins)
@@ -275,6 +345,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
             hvals[param] = fvals[param]
 
     dqvals: dict = {}  # each quantized tensor dequantized once, for its SQNR and all its consumers
+    centred_vals: dict = {}  # and centred once (x - zp), for the integer sums of its weighted consumers
 
     def value(var) -> np.ndarray:
         if var in qvals:
@@ -282,6 +353,12 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                 dqvals[var] = dequantize_host(qvals[var], plan.tensors[var])
             return dqvals[var]
         return hvals[var]
+
+    def centred(var, channels_first: bool) -> Centred:
+        values = centred_vals.setdefault(var, {})
+        if channels_first not in values:
+            values[channels_first] = centre_host(qvals[var], plan.tensors[var].zero_point, channels_first)
+        return values[channels_first]
 
     # The float model's layers run ahead on a thread of their own: they depend on no quantization decision.
     summarize = functools.partial(_float_accumulators, ctx.config)
@@ -296,9 +373,9 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
             float_accumulators, references = pending.take(layer)
         fvals[layer.output] = references
         if ctx.quantized(layer, plan):
-            _run_quantized(ctx, layer, plan, stats, qvals, value, calibrating, records, float_accumulators,
+            _run_quantized(ctx, layer, plan, stats, qvals, value, centred, calibrating, records, float_accumulators,
                            references)
-            model_value = value(layer.output).__getitem__ if references is not None else None
+            model_value = None
         else:
             inputs = [value(v) for v in layer.inputs]
             out = ctx.float.run_batch(layer, inputs, weight, layer.bias, consts)[1]
@@ -309,13 +386,15 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                 qvals[layer.output] = quantize_host(out, plan.tensors[layer.output])
             model_value = out.__getitem__
         energy = _Energy()
-        if references is not None:
+        if references is not None and model_value is None:  # the int8 output, dequantized a block at a time
+            energy.add_quantized(references, qvals[layer.output], plan.tensors[layer.output])
+        elif references is not None:
             energy.add_samples(references, model_value)
         stats.sqnr_db = energy.db
         layer_stats[layer.index] = stats
         for v in list(layer.inputs):
             if ctx.last_use.get(v) == layer.index and v not in ctx.outputs:
-                for table in (fvals, qvals, hvals, dqvals):
+                for table in (fvals, qvals, hvals, dqvals, centred_vals):
                     table.pop(v, None)
         if progress is not None:
             progress(layer.index + 1, len(ctx.layers))
@@ -366,10 +445,13 @@ def _bias_shift(float_accumulators: FloatAccumulators, chunks) -> np.ndarray:
     return total / float_accumulators.count
 
 
-def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, calibrating: bool,
-                   records: list, float_accumulators: FloatAccumulators | None, references: np.ndarray | None) -> None:
+def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, centred,
+                   calibrating: bool, records: list, float_accumulators: FloatAccumulators | None,
+                   references: np.ndarray | None) -> None:
+    sums = summarize = None
     if calibrating:
-        _calibrate_layer(ctx, layer, plan, stats, value, records, float_accumulators, references)
+        sums, summarize = _calibrate_layer(ctx, layer, plan, stats, value, centred, records, float_accumulators,
+                                           references)
     inputs_q = [plan.tensors[v] for v in layer.inputs]
     constants = plan.constants.get(layer.index, {})
     wq = plan.weights.get(layer.index)
@@ -379,40 +461,83 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
         npu.key = _key(layer, plan)
         ctx.npu_cache[layer.index] = npu
     stats.on_npu = npu.on_npu
-    out, overflows = npu.run_batch([qvals[v] for v in layer.inputs])
+    result = None
+    if npu.mac is not None:  # one MAC layer: its outputs from the sums calibration formed (or forms now)
+        if not (isinstance(sums, IntegerSums) and sums.weight is wq.weight):
+            sums = _integer_sums(ctx, layer, wq, centred)
+        if sums is not None:
+            result = sums.npu_outputs(npu.mac)
+    out, overflows = result if result is not None else npu.run_batch([qvals[v] for v in layer.inputs])
+    if summarize is not None:
+        q = plan.tensors[layer.output]
+        summarize.stats = int8_summary(out, q.scale, q.zero_point, summarize.stats["min"], summarize.stats["max"])
     stats.overflows += overflows
     qvals[layer.output] = out
 
 
-def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, records: list,
-                     float_accumulators: FloatAccumulators | None, references: np.ndarray | None) -> None:
+class _Lazy:
+    """A value computed on first call, then kept."""
+
+    def __init__(self, make):
+        self._make, self._value = make, None
+
+    def __call__(self):
+        if self._make is not None:
+            self._value, self._make = self._make(), None
+        return self._value
+
+
+def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred) -> IntegerSums | None:
+    """The layer's exact integer sums on its int8 input (:mod:`.integer_sums`); None for a layer TVM computes, or
+    one whose sums could leave float32's exact range."""
+    plan = ctx.float.plans[layer.index]
+    if plan is None or wq is None:
+        return None
+    x = centred(layer.inputs[0], plan.channels_first)
+    if exact_bound(x.largest, wq.weight, layer.weight_axis, None) >= FLOAT32_EXACT:
+        return None
+    return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, x.largest)
+
+
+def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, centred, records: list,
+                     float_accumulators: FloatAccumulators | None, references: np.ndarray | None
+                     ) -> tuple[IntegerSums | None, TensorRecord | None]:
     """Quantize the layer's weights and constants, observe it on its quantized inputs, correct its bias, fit its
     accumulator and choose its output qparams (from the float model's ``references`` for the
-    :data:`FLOAT_MODEL_METHODS`): every decision about it, into ``plan``."""
+    :data:`FLOAT_MODEL_METHODS`): every decision about it, into ``plan``. Returns the integer sums of its final
+    weights, when it was observed from them (the NPU's outputs are read from them too), and the record whose
+    summary its int8 output is to fill (when its range came from its extremes alone)."""
     config = ctx.config
     input_q = plan.tensors[layer.inputs[0]]
     constants = plan.constants[layer.index] = _constants(layer)
     wq = _weights(layer, config, input_q) if layer.weight is not None else None
-    dq_inputs = [value(v) for v in layer.inputs]
+    dq_inputs = _Lazy(lambda: [value(v) for v in layer.inputs])  # the integer sums do not need them
     dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
     problem = None  # least-squares weight rounding (reconstruct.py), applied to every choice of weight scales
     if wq is not None and config.weight_rounding == "least_squares" and ctx.float.plans[layer.index] is not None:
-        problem = reconstruct.build(ctx.float.plans[layer.index], dq_inputs[0], float_accumulators.values,
+        problem = reconstruct.build(ctx.float.plans[layer.index], dq_inputs()[0], float_accumulators.values,
                                     layer.weight, layer.bias, config.bias_correction and layer.bias is not None)
         wq = reconstruct.apply(problem, wq, config.weight_bits)
 
     memo: dict = {}
 
     def observe():
-        """The layer over the calibration set (:class:`.batched_float.Observation`): its accumulators and outputs.
-        A numpy layer's sums are computed once per weight (a new bias alone reuses them) and finished chunk by
-        chunk whenever they are read; a TVM layer is run once."""
+        """The layer over the calibration set: its accumulators and outputs. A numpy layer's sums are computed
+        once per weight (a new bias alone reuses them) and finished chunk by chunk whenever they are read: its
+        exact integer sums (:class:`.integer_sums.IntegerObservation`), or where those could round, the float32
+        sums of its dequantized inputs and weights (:class:`.batched_float.Observation`); a TVM layer is run
+        once."""
         w, b = _dequantized(wq) if wq is not None else (None, None)
         if wq is not None and ctx.float.plans[layer.index] is not None:
             if memo.get("weight") is not wq.weight or memo.get("scales") is not wq.scales:
-                memo.update(weight=wq.weight, scales=wq.scales, sums=ctx.float.sums(layer, dq_inputs, w))
+                sums = _integer_sums(ctx, layer, wq, centred)
+                memo.update(weight=wq.weight, scales=wq.scales,
+                            sums=sums if sums is not None else ctx.float.sums(layer, dq_inputs(), w))
+            if isinstance(memo["sums"], IntegerSums):
+                steps = (np.float32(input_q.scale) * wq.scales).astype(np.float32)
+                return memo["sums"].observed(wq.bias, steps)
             return memo["sums"].observed(layer, b)
-        return HostObservation(layer, *ctx.float.run_batch(layer, dq_inputs, w, b, dq_consts))
+        return HostObservation(layer, *ctx.float.run_batch(layer, dq_inputs(), w, b, dq_consts))
 
     chunks = observe()
     if wq is not None:
@@ -444,11 +569,17 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
             stats.overflow_unfixable = bool(peaks.max() > limit)
         stats.accumulator_peak = int(peaks.max())
         plan.weights[layer.index] = wq
-    if config.calibration in FLOAT_MODEL_METHODS:
-        outputs = references
+    if isinstance(chunks, IntegerObservation) and _extremes_suffice(ctx, layer, plan):
+        plan.tensors[layer.output] = _choose_from_extremes(ctx, *chunks.output_extremes(), layer.output.name, records)
+        summarize = records[-1]
     else:
-        outputs = chunks.outputs()
-    plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
+        outputs = references if config.calibration in FLOAT_MODEL_METHODS else chunks.outputs()
+        plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
+        summarize = None
+    sums = memo.get("sums")
+    if not (isinstance(sums, IntegerSums) and sums.weight is plan.weights.get(layer.index, wq).weight):
+        sums = None
+    return sums, summarize
 
 
 def _key(layer: Layer, plan: Plan) -> tuple:

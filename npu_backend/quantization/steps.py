@@ -19,6 +19,7 @@ model of them. A layer the NPU does not take runs as TVM runs it on the host.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 import numpy as np
 import tvm
@@ -34,6 +35,7 @@ from . import buffers, parallel
 from .batched_float import CHUNK_ELEMENTS, LayerSums, chunks, plan_weighted
 from .layers import Layer, resolve
 from .parallel import run_all
+from .transpose import to_channels_last
 from .rewrite import (Operands, TensorQ, WeightQ, const, dequantize, dequantized_bias, dequantized_weight, emit_layer,
                       quantize)
 
@@ -323,12 +325,42 @@ def dequantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class Centred:
+    """An int8 tensor as the MAC array reads it: ``x - zero_point`` in float32 (exact), channels last, and its
+    largest magnitude (what bounds its layers' sums, :func:`.integer_sums.exact_bound`)."""
+
+    values: np.ndarray
+    zero_point: int
+    largest: int
+
+
+def centre_host(x: np.ndarray, zero_point: int, channels_first: bool) -> Centred:
+    """``x - zero_point`` of an int8 batch ``[N, ...]`` in float32, a sample chunk per task; an NCHW batch
+    ``[N, 1, C, H, W]`` (``channels_first``) comes out NHWC, transposed on the way (:mod:`.transpose`; its int8
+    bytes are read once, where a float32 transpose of the sums would move four times as many)."""
+    x = np.asarray(x)
+    out = buffers.empty(np.moveaxis(x, 2, -1).shape if channels_first else x.shape, np.float32)
+    if channels_first:
+        to_channels_last(x, out, zero_point)
+
+    def part(rows: slice) -> tuple[int, int]:
+        if not channels_first:
+            np.subtract(x[rows], np.float32(zero_point), out=out[rows], dtype=np.float32)
+        return int(x[rows].min()), int(x[rows].max())
+
+    extremes = run_all(part, chunks(len(x), x[0].size))
+    low, high = min(e[0] for e in extremes), max(e[1] for e in extremes)
+    return Centred(out, int(zero_point), max(abs(low - zero_point), abs(high - zero_point)))
+
+
 class NpuLayer:
     """One quantized layer as the NPU runs it: its own QDQ module, partitioned, lowered and simulated."""
 
     def __init__(self, layer: Layer, folded: dict, inputs: list[TensorQ], output: TensorQ, weights: WeightQ | None,
                  constants: dict, source: str, config: NpuConfig):
-        from ..codegen import build_partitioned, lower_module, npu_regions
+        from ..codegen import npu_regions
+        from ..codegen.lower import mac_layer
         from ..partition import partition_for_npu
         from ..report import partition_report
 
@@ -355,21 +387,34 @@ class NpuLayer:
         self.weights = weights
         self.on_npu = all(o.op in ("relax.quantize", "relax.dequantize")
                           for o in partition_report(partitioned).host_ops)
-        self.stream = self.prepared = None
+        self.partitioned = partitioned
+        self.stream = self.prepared = self.vm = self.mac = None
         regions = npu_regions(partitioned)
         main = partitioned["main"]
         bindings = [b for block in main.body.blocks for b in block.bindings]
-        if (len(regions) == 1 and len(bindings) == 1 and isinstance(bindings[0].value, relax.Call)
-                and isinstance(bindings[0].value.op, tvm.ir.GlobalVar)
-                and list(bindings[0].value.args) == list(main.params)):
+        self.whole = (len(regions) == 1 and len(bindings) == 1 and isinstance(bindings[0].value, relax.Call)
+                      and isinstance(bindings[0].value.op, tvm.ir.GlobalVar)
+                      and list(bindings[0].value.args) == list(main.params))
+        """The layer is one NPU region taking the layer's inputs: its stream computes the layer."""
+        if self.whole:
             symbol, region = next(iter(regions.items()))
+            self.mac = mac_layer(region, symbol)
+            """The region as one MAC-array layer, when it is one: calibration then turns the layer's exact sums
+            into its outputs (:meth:`.integer_sums.IntegerSums.npu_outputs`) and lowers no stream."""
+            self.names = [p.name for p in region.params]
+
+    def _build(self) -> None:
+        """The region's stream, or the module TVM builds: on first run (a MAC layer whose sums calibration
+        forms needs neither)."""
+        from ..codegen import build_partitioned, lower_module
+
+        if self.whole:
             # Calibration needs the stream's values, not its cycles: one schedule variant, serial (no dependencies
             # to derive: the values do not depend on them), validated once.
-            self.stream = lower_module(partitioned, serial=True)[symbol]
-            self.prepared = PreparedBatch(self.stream, config)
-            self.names = [p.name for p in region.params]
+            (self.stream,) = lower_module(self.partitioned, serial=True).values()
+            self.prepared = PreparedBatch(self.stream, self.config)
         else:
-            self.vm = relax.VirtualMachine(build_partitioned(partitioned), tvm.cpu())
+            self.vm = relax.VirtualMachine(build_partitioned(self.partitioned), tvm.cpu())
 
     def run_batch(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 outputs for a batch of samples (each input ``[N, *shape]``), and how many accumulators
@@ -377,6 +422,8 @@ class NpuLayer:
         (:class:`simulator.batch.PreparedBatch`, equal to one run per sample), a large batch split between the
         worker threads; a layer TVM builds runs per sample."""
         count = len(inputs[0])
+        if self.prepared is None and self.vm is None:
+            self._build()
         if self.stream is None:
             results = [self.run([x[n] for x in inputs]) for n in range(count)]
             return np.stack([r[0] for r in results]), sum(r[1] for r in results)

@@ -1,0 +1,229 @@
+"""A quantized convolution or matmul layer's exact integer sums over the calibration set, computed once and read
+three ways.
+
+The NPU's MAC array sums ``(x - zp) * w`` exactly; the bias, the register's width and the output stage follow
+(:func:`simulator.kernels.mac_register_output`). Calibration needs, for the same layer on the same int8 inputs:
+
+  - what it observes to choose the output range: the accumulator in real units, ``(sums + bias) * s_in * s_w``,
+    then the layer's float clamp (:class:`IntegerObservation`);
+  - the accumulators' per-channel extremes (peaks, overflow avoidance) and totals (bias correction);
+  - the NPU's int8 outputs, which the next layers take.
+
+All three are read from one array of sums, formed by the float32 plan of :mod:`.batched_float` on the centred
+int8 input and the int8 weights, channels last whatever the model's layout (the output stage broadcasts its
+per-channel words along the last axis; an NCHW model's int8 input and output are transposed instead, a byte each): every product and partial sum is an integer, so the float32 sums are exact while
+``max|x - zp| * max_oc sum|w| + max|bias|`` stays below 2**24 (the argument of :mod:`simulator.macs`), which
+:func:`exact_bound` checks before anything is formed. Calibration once ran the layer three times instead: in float
+on dequantized values to observe it, and twice more (sums and output stage) in the simulator on the lowered stream.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from simulator.kernels import mac_register_output
+from simulator.macs import FLOAT32_EXACT
+
+from . import buffers
+from .batched_float import WeightedPlan, chunks
+from .layers import Layer
+from .observers import Batches
+from .parallel import WORKERS, run_all
+from .transpose import to_channels_first
+
+
+STAGE_BLOCK = 1 << 18
+"""Accumulators the output stage takes per call: the block's accumulators, the stage's scans and its float64 work
+stay in the core's cache, and the calls are few enough that their fixed cost stays small."""
+
+
+def exact_bound(largest_input: int, weight: np.ndarray, axis: int, bias: np.ndarray | None) -> int:
+    """``largest_input * max_oc sum|w_oc| + max|bias|``: no partial sum of a layer's accumulator (with that bias)
+    exceeds it in magnitude (``largest_input`` = ``max|x - zp|`` over its int8 input)."""
+    per_channel = np.abs(np.moveaxis(weight, axis, 0).reshape(weight.shape[axis], -1).astype(np.int64)).sum(axis=1)
+    largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
+    return largest_input * int(per_channel.max(initial=0)) + largest_bias
+
+
+class IntegerSums:
+    """``sum((x - zp) * w)`` of every output element over the batch, float32, exact (the caller checked
+    :func:`exact_bound` for the weights with no bias; :meth:`exact_with` says whether a bias keeps it so) and
+    channels last: ``centred`` is the input centred and channels last (:func:`.steps.centre_host`)."""
+
+    def __init__(self, layer: Layer, plan: WeightedPlan, centred: np.ndarray, weight: np.ndarray,
+                 input_zero_point: int, largest_input: int):
+        self.layer, self.plan, self.weight = layer, plan, weight
+        self.input_zero_point, self.largest_input = input_zero_point, largest_input
+        self.channels_first = plan.channels_first
+        """The model's layout is NCHW: the NPU's outputs are transposed back to it."""
+        self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
+        self.sums, parts = dataclasses.replace(plan, channels_first=False).sums(centred, weight.astype(np.float32),
+                                                                              then=_channel_statistics)
+        self.channels = self.sums.shape[-1]
+        self.per_channel = self.sums.size // self.channels
+        self._chunks = chunks(len(self.sums), self.sums[0].size)
+        self._extremes = (np.minimum.reduce([p[0] for p in parts]).astype(np.float64),
+                          np.maximum.reduce([p[1] for p in parts]).astype(np.float64))
+        self._totals = np.sum([p[2] for p in parts], axis=0)
+
+    def exact_with(self, bias: np.ndarray | None) -> bool:
+        largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
+        return self.bound + largest_bias < FLOAT32_EXACT
+
+    def channel_extremes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) of the sums per output channel, float64 integers."""
+        return self._extremes
+
+    def channel_totals(self) -> np.ndarray:
+        """The sums' total per output channel, float64 (exact: integers below 2**53, in any order)."""
+        return self._totals
+
+    def observed(self, bias: np.ndarray | None, steps: np.ndarray) -> IntegerObservation:
+        """The layer observed with an int32 ``bias`` and per-channel float32 ``steps`` (``s_in * s_w``, the
+        bias's own scale)."""
+        return IntegerObservation(self, bias, steps)
+
+    def same_weights(self, weights: np.ndarray, weight_order: tuple[int, ...] | None) -> bool:
+        """Whether ``weights`` (a MAC command's layout) are this layer's int8 weights."""
+        mine = self.weight if weight_order is None else np.transpose(self.weight, weight_order)
+        return mine.size == weights.size and np.array_equal(mine.reshape(weights.shape), weights)
+
+    def npu_outputs(self, mac) -> tuple[np.ndarray, int] | None:
+        """The NPU's int8 outputs of the layer and its accumulator overflows, from these sums and the region's
+        :class:`npu_backend.codegen.lower.MacLayer`: ``sums + bias`` through the MAC array's register and output
+        stage. None when the region's record is not these sums' layer (other weights or input zero point) or its
+        bias would leave float32's exact range: the caller then simulates the region's stream."""
+        p = mac.params
+        order = None if self.plan.conv is None else self.plan.weight_order
+        weights = p.weights if self.plan.conv is not None else p.weights.T
+        if (p.input_zero_point != self.input_zero_point or not self.same_weights(weights, order)
+                or not self.exact_with(p.bias)):
+            return None
+        bias = np.asarray(p.bias, np.float32)
+        shape, channels = self.sums.shape, self.channels
+        out = buffers.empty((*shape[:2], shape[-1], *shape[2:-1]) if self.channels_first else shape, np.int8)
+        step = max(1, STAGE_BLOCK // channels)
+        low, high = self.channel_extremes()
+        ends = np.concatenate([low + p.bias, high + p.bias])
+        largest = int(np.abs(ends).max(initial=0))  # max|sums + bias|: the register and the stage need no scan
+
+        def chunk(part: slice) -> int:
+            rows = self.sums[part].reshape(-1, channels)
+            last = buffers.empty(self.sums[part].shape, np.int8) if self.channels_first else out[part]
+            written = last.reshape(-1, channels)
+            acc = np.empty((min(step, len(rows)), channels), self.sums.dtype)
+            overflows = 0
+            for start in range(0, len(rows), step):
+                block = rows[start:start + step]
+                np.add(block, bias, out=acc[:len(block)])
+                values, count = mac_register_output(acc[:len(block)], mac.conv, mac.config, mac.table, largest)
+                written[start:start + step] = values
+                overflows += count
+            if self.channels_first:
+                to_channels_first(last, out[part])
+            return overflows
+
+        return out, sum(run_all(chunk, self._chunks))
+
+
+def _channel_statistics(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per channel (the last axis): min, max and float64 total of a chunk of sums, read while it is in cache."""
+    rows = sums.reshape(-1, sums.shape[-1])
+    return np.min(rows, axis=0), np.max(rows, axis=0), np.sum(rows, axis=0, dtype=np.float64)
+
+
+class IntegerObservation:
+    """:class:`.batched_float.Observation` of a quantized layer read from its exact sums: the accumulator in
+    real units, ``(sums + bias) * step`` per channel, and the output, that clamped by the layer's float clamp.
+    ``sums + bias`` is formed in float32 (exact where :meth:`IntegerSums.exact_with` holds, else in float64), the
+    product rounded once to float32."""
+
+    def __init__(self, sums: IntegerSums, bias: np.ndarray | None, steps: np.ndarray):
+        self._sums = sums
+        self._bias = None if bias is None else np.asarray(bias, np.int64).reshape(-1)
+        self._steps = np.broadcast_to(np.asarray(steps, np.float32).reshape(-1), (sums.channels,))
+        self._dtype = np.float32 if sums.exact_with(self._bias) else np.float64
+        self.shape, self.ndim = sums.sums.shape, sums.sums.ndim
+
+    def _bias_or_zero(self) -> np.ndarray:
+        return np.zeros(self._sums.channels) if self._bias is None else self._bias.astype(np.float64)
+
+    def accumulator_sums(self) -> list[np.ndarray]:
+        """The accumulators' float64 total per output channel, in real units (one part: the sums' totals are
+        exact, the bias adds ``count * bias``)."""
+        totals = self._sums.channel_totals() + self._sums.per_channel * self._bias_or_zero()
+        return [totals * self._steps.astype(np.float64)]
+
+    def accumulator_extremes(self) -> tuple[np.ndarray, np.ndarray]:
+        """(min, max) of the accumulators per output channel in real units, float64: the exact integer extremes
+        times the channel's step (positive, so the order is kept)."""
+        low, high = self._sums.channel_extremes()
+        bias, steps = self._bias_or_zero(), self._steps.astype(np.float64)
+        return (low + bias) * steps, (high + bias) * steps
+
+    def output_extremes(self) -> tuple[float, float]:
+        """(min, max) of :meth:`outputs` without forming them: the per-channel extreme sums through the same
+        float operations (each monotone: an exact or float64 addition, a product by a positive step rounded
+        once to float32, the clamp), so the extremes are the outputs', bit for bit."""
+        low, high = self._sums.channel_extremes()
+        ends = np.stack([low, high])
+        if self._dtype == np.float32:
+            values = ends.astype(np.float32)
+            if self._bias is not None:
+                values = values + self._bias.astype(np.float32)
+            values = values * self._steps
+        else:
+            wide = ends + (0.0 if self._bias is None else self._bias.astype(np.float64))
+            values = (wide * self._steps.astype(np.float64)).astype(np.float32)
+        values = values.astype(np.float32)
+        _clamp(self._sums.layer, values)
+        return float(values[0].min()), float(values[1].max())
+
+    def outputs(self) -> Batches:
+        return Batches(self.output_batches)
+
+    def output_batches(self):
+        """The outputs, samples in order, as batches ``[k, *shape]`` (each valid until the next), a chunk per worker
+        at a time."""
+        sums = self._sums
+        parts = sums._chunks
+        per_batch = max(1, WORKERS)
+        samples = parts[0].stop - parts[0].start
+        buffer = buffers.empty((min(self.shape[0], per_batch * samples), *self.shape[1:]), np.float32)
+        bias = None if self._bias is None else self._bias.astype(self._dtype)
+        steps = self._steps
+        layer = sums.layer
+        for first in range(0, len(parts), per_batch):
+            group = parts[first:first + per_batch]
+            offset = group[0].start
+            batch = buffer[:group[-1].stop - offset]
+
+            def finish(part, offset=offset, batch=batch):
+                rows = batch[part.start - offset:part.stop - offset]
+                if self._dtype == np.float32:
+                    if bias is None:
+                        np.multiply(sums.sums[part], steps, out=rows)
+                    else:
+                        np.add(sums.sums[part], bias, out=rows)  # exact
+                        np.multiply(rows, steps, out=rows)
+                else:
+                    wide = sums.sums[part].astype(np.float64)
+                    if bias is not None:
+                        wide += bias
+                    np.multiply(wide, steps, out=rows, casting="same_kind")
+                _clamp(layer, rows)
+
+            run_all(finish, group)
+            yield batch
+
+
+def _clamp(layer: Layer, rows: np.ndarray) -> None:
+    if layer.clamp is None:
+        return
+    lo, hi = layer.clamp
+    if hi == float("inf"):
+        np.maximum(rows, np.float32(lo), out=rows)
+    else:
+        np.clip(rows, np.float32(lo), np.float32(hi), out=rows)
