@@ -1,0 +1,153 @@
+"""Calibration's integer sums (npu_backend.quantization.integer_sums) against what they replace.
+
+A quantized convolution or matmul layer is no longer lowered and simulated during calibration: its exact sums are
+formed once and its NPU outputs read from them through the simulator's own register and output stage, with the
+region's own record. These tests hold the outputs to the simulated stream's, byte for byte and overflow for
+overflow, in every layout, rounding and accumulator mode, and the observation's reads to the arrays they stand
+for.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from float_models import float_conv_block, float_dense_chain
+from npu_backend import QConfig
+from npu_backend.quantization import _npu_config, calibrate, integer_sums
+from npu_backend.quantization.calibrate import _weights
+from npu_backend.quantization.config import ROUNDINGS
+from npu_backend.quantization.integer_sums import IntegerSums, exact_bound
+from npu_backend.quantization.layers import cut_layers
+from npu_backend.quantization.observers import int8_summary
+from npu_backend.quantization.rewrite import TensorQ
+from npu_backend.quantization.steps import NpuLayer, centre_host
+from npu_backend.quantization.batched_float import plan_weighted
+
+RNG = np.random.default_rng(5)
+
+LAYERS = {
+    "pointwise NCHW": lambda: float_conv_block(RNG, "NCHW", "OIHW", 1, (1, 16, 6, 5), 24, k=1),
+    "strided NCHW": lambda: float_conv_block(RNG, "NCHW", "OIHW", 1, (1, 3, 9, 8), 10, strides=[2, 2],
+                                             padding=[1, 1, 1, 1]),
+    "depthwise NCHW": lambda: float_conv_block(RNG, "NCHW", "OIHW", 8, (1, 8, 7, 7), 8, padding=[1, 1, 1, 1]),
+    "NHWC dilated": lambda: float_conv_block(RNG, "NHWC", "HWIO", 1, (1, 9, 8, 6), 10, padding=[1, 1, 1, 1],
+                                             dilation=[2, 2]),
+    "dense": lambda: float_dense_chain([RNG.normal(0, 0.3, (40, 12))]),
+}
+CONFIGS = {
+    "tflite": QConfig(),
+    "onnxruntime": QConfig(rounding="onnxruntime"),
+    "14-bit wrap": QConfig(accumulator_bits=14),
+    "14-bit saturate": QConfig(accumulator_bits=14, accumulator_overflow="saturate"),
+}
+
+
+def _layer_and_inputs(name, samples=6):
+    (layer,), folded = cut_layers(LAYERS[name]()["main"])
+    shape = [int(d) for d in layer.inputs[0].ty.shape.values]
+    x = RNG.integers(-128, 128, (samples, *shape)).astype(np.int8)
+    return layer, folded, x
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("name", LAYERS)
+def test_outputs_from_the_sums_are_the_simulated_streams(name, config, monkeypatch):
+    config = CONFIGS[config]
+    layer, folded, x = _layer_and_inputs(name)
+    input_q, output_q = TensorQ(0.05, 3), TensorQ(0.08 if config.accumulator_bits == 32 else 0.5, -7)
+    wq = _weights(layer, config, input_q)
+    npu = NpuLayer(layer, folded, [input_q], output_q, wq, {}, ROUNDINGS[config.rounding], _npu_config(config))
+    assert npu.on_npu and npu.mac is not None and npu.stream is None  # partitioned, not lowered
+    plan = plan_weighted(layer)
+    centred = centre_host(x, input_q.zero_point, plan.channels_first)
+    assert centred.largest == max(abs(int(x.min()) - 3), abs(int(x.max()) - 3))
+    monkeypatch.setattr(integer_sums, "STAGE_BLOCK", 7)  # many stage calls per chunk
+    sums = IntegerSums(layer, plan, centred.values, wq.weight, input_q.zero_point, centred.largest)
+    got, got_overflows = sums.npu_outputs(npu.mac)
+    want, want_overflows = npu.run_batch([x])  # the region lowered to a stream and simulated
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
+    assert got_overflows == want_overflows
+    if config.accumulator_bits == 14:
+        assert want_overflows > 0  # the narrow register is exercised
+
+
+def test_a_record_that_is_not_these_sums_is_refused():
+    layer, folded, x = _layer_and_inputs("pointwise NCHW")
+    input_q = TensorQ(0.05, 3)
+    wq = _weights(layer, QConfig(), input_q)
+    npu = NpuLayer(layer, folded, [input_q], TensorQ(0.08, -7), wq, {}, "tflite", _npu_config(QConfig()))
+    plan = plan_weighted(layer)
+    centred = centre_host(x, 3, plan.channels_first)
+    other = wq.weight.copy()
+    other.reshape(-1)[0] ^= 1
+    assert IntegerSums(layer, plan, centred.values, other, 3, centred.largest).npu_outputs(npu.mac) is None
+    assert IntegerSums(layer, plan, centred.values, wq.weight, 4, centred.largest).npu_outputs(npu.mac) is None
+
+
+@pytest.mark.parametrize("name", ["strided NCHW", "NHWC dilated", "dense"])
+@pytest.mark.parametrize("large_bias", [False, True], ids=["float32", "float64"])
+def test_the_observation_reads_what_its_outputs_hold(name, large_bias):
+    layer, _, x = _layer_and_inputs(name)
+    plan = plan_weighted(layer)
+    weight = RNG.integers(-127, 128, layer.weight.shape).astype(np.int8)
+    centred = centre_host(x, -5, plan.channels_first)
+    sums = IntegerSums(layer, plan, centred.values, weight, -5, centred.largest)
+    channels = sums.channels
+    bias = RNG.integers(-3000, 3000, channels)
+    if large_bias:  # past float32's exact range: sums + bias are formed in float64
+        bias[0] = (1 << 24) - sums.bound // 2
+    assert sums.exact_with(bias) is not large_bias
+    steps_ = RNG.uniform(1e-4, 1e-3, channels).astype(np.float32)
+    observed = sums.observed(bias, steps_)
+    exact = sums.sums.astype(np.float64) + bias  # channels last
+    others = tuple(range(exact.ndim - 1))
+    low, high = observed.accumulator_extremes()
+    assert np.array_equal(low, exact.min(axis=others) * steps_.astype(np.float64))
+    assert np.array_equal(high, exact.max(axis=others) * steps_.astype(np.float64))
+    (totals,) = observed.accumulator_sums()
+    assert np.array_equal(totals, exact.sum(axis=others) * steps_.astype(np.float64))
+    outputs = np.concatenate([b.copy() for b in observed.output_batches()])
+    if large_bias:
+        expected = (exact * steps_.astype(np.float64)).astype(np.float32)
+    else:
+        expected = exact.astype(np.float32) * steps_
+    if layer.clamp is not None:
+        expected = np.clip(expected, np.float32(layer.clamp[0]), np.float32(layer.clamp[1]))
+    assert outputs.tobytes() == expected.astype(np.float32).tobytes()
+    assert observed.output_extremes() == (float(outputs.min()), float(outputs.max()))
+
+
+def test_the_exact_bound_counts_the_largest_channel_and_the_bias():
+    weight = np.array([[[[1, -2], [3, 0]]], [[[-4, 4], [4, -4]]]], np.int8)  # [O=2, I=1, 2, 2]: 6 and 16
+    assert exact_bound(10, weight, 0, None) == 160
+    assert exact_bound(10, weight, 0, np.array([5, -9])) == 169
+
+
+def test_the_int8_summary_is_the_histogram_of_the_dequantized_levels():
+    values = np.concatenate([RNG.integers(-128, 128, 9999), [-128, 127]]).astype(np.int8)  # odd: a lone byte
+    scale, zero_point = 0.25, -3
+    summary = int8_summary(values, scale, zero_point, -31.5, 33.0)
+    real = (values.astype(np.float64) - zero_point) * scale
+    assert summary["count"] == values.size
+    assert summary["min"] == -31.5 and summary["max"] == 33.0
+    assert summary["mean"] == pytest.approx(real.mean(), rel=1e-12)
+    assert summary["std"] == pytest.approx(real.std(), rel=1e-12)
+    # a percentile lies within half a level of the values' own percentile
+    for q in (1.0, 50.0, 99.0):
+        assert abs(summary[f"p{q:g}"] - np.percentile(real, q)) <= scale
+    assert int8_summary(np.zeros(0, np.int8), 1.0, 0, 0.0, 0.0) == {"count": 0}
+
+
+def test_calibrating_an_nchw_model_lowers_no_mac_region(monkeypatch):
+    built, read = [], []
+    build, outputs = NpuLayer._build, IntegerSums.npu_outputs
+    monkeypatch.setattr(NpuLayer, "_build", lambda self: (built.append(self), build(self))[1])
+    monkeypatch.setattr(IntegerSums, "npu_outputs", lambda self, mac: (read.append(mac), outputs(self, mac))[1])
+    model = float_conv_block(RNG, "NCHW", "OIHW", 1, (1, 3, 9, 8), 10, strides=[2, 2], padding=[1, 1, 1, 1])
+    result = calibrate(model, RNG.normal(0, 1, (5, 3, 9, 8)).astype(np.float32))
+    assert len(read) == 1 and not built
+    test = RNG.normal(0, 1, (2, 3, 9, 8)).astype(np.float32)
+    simulated = result.simulate(test)
+    assert len(read) == 2 and not built  # the simulation reads the same way
+    assert all(np.isfinite(s[0]).all() for s in simulated)
