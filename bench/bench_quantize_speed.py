@@ -8,16 +8,18 @@ calibration inputs:
   - onnxruntime ``quantize_static`` (QDQ, per-channel, int8, MinMax), the inputs through a
     ``CalibrationDataReader``; it reads the model file and writes the quantized one;
   - ours: ``npu_backend.load_model`` (TVM's ONNX importer) then ``npu_backend.quantize`` with the default
-    ``QConfig``, every layer calibrated on the simulated NPU's own integers.
+    ``QConfig``, every layer calibrated on the simulated NPU's own integers (a convolution's or matmul's from its
+    exact integer sums and the simulator's output stage, :mod:`npu_backend.quantization.integer_sums`; the other
+    layers' from their lowered streams).
 
 Both use every core: onnxruntime its intra-op thread pool, ours its calibration threads
 (:mod:`npu_backend.quantization.parallel`: the float model on a thread of its own, each layer's numpy work and
 simulator batch shared between the threads; ``--threads`` sets how many). The two alternate ``--rounds`` times
 (ours first in odd rounds), so that a busy machine slows both alike; the best round of each is reported, with the
 ratio. Then ours once more with every phase timed: exclusive CPU time per phase (a phase called inside another
-is not counted twice), on the main thread and on the others, the commands of the streams calibration lowers for its
-layers (by what they do: a DMA through a DRAM scratch buffer is a spill or a layout change), and the walk's wall time per layer
-kind.
+is not counted twice), on the main thread and on the others, how many layers calibration read from their integer
+sums and the commands of the streams it lowered for the others (by what they do: a DMA through a DRAM scratch buffer
+is a spill or a layout change), and the walk's wall time per layer kind.
 
     python bench/bench_quantize_speed.py [--samples 100] [--rounds 2] [--threads N] [--skip-ort] [--no-phases]
 """
@@ -215,22 +217,29 @@ def instrument() -> Phases:
 
 
 def count_streams(phases: Phases, layer_class) -> Counter:
-    """Commands of every stream calibration lowers for a layer, by what they do: wraps the class's ``__init__``
-    (outside the phase timer, :meth:`Phases.restore` puts it back)."""
+    """Commands of every stream calibration lowers for a layer, by what they do, and the layers that needed none
+    (a MAC layer's outputs come from its integer sums): wraps the class's ``__init__`` and ``_build`` (outside the
+    phase timer, :meth:`Phases.restore` puts them back)."""
     tally = Counter()
-    init = layer_class.__init__
+    init, build = layer_class.__init__, layer_class._build
 
     @functools.wraps(init)
-    def counted(self, *args, **kwargs):
+    def counted_init(self, *args, **kwargs):
         init(self, *args, **kwargs)
+        tally["layers"] += 1
+        tally["MAC layers (no stream needed)"] += self.mac is not None
+
+    @functools.wraps(build)
+    def counted_build(self):
+        build(self)
         if self.stream is None:
             return
         tally["streams"] += 1
         for command in self.stream.commands:
             tally[command_kind(self.stream, command)] += 1
 
-    layer_class.__init__ = counted
-    phases.on_restore(lambda: setattr(layer_class, "__init__", init))
+    layer_class.__init__, layer_class._build = counted_init, counted_build
+    phases.on_restore(lambda: (setattr(layer_class, "__init__", init), setattr(layer_class, "_build", build)))
     return tally
 
 
@@ -336,8 +345,10 @@ def main() -> int:
         print(f"  {name:<44} {seconds:7.2f} s  {other:6.2f} s  {100 * (seconds + other) / cpu:5.1f}%  "
               f"({phases.calls[name]} calls)")
     streams = phases.streams
-    kinds = sorted((k for k in streams if k != "streams"), key=lambda k: -streams[k])
-    print(f"calibration's layer streams: {streams['streams']} streams, {sum(streams[k] for k in kinds):,} commands: "
+    mac = "MAC layers (no stream needed)"
+    kinds = sorted((k for k in streams if k not in ("streams", "layers", mac)), key=lambda k: -streams[k])
+    print(f"calibration's NPU layers: {streams['layers']}, of which {streams[mac]} MAC layers read from their "
+          f"integer sums; {streams['streams']} streams lowered, {sum(streams[k] for k in kinds):,} commands: "
           + ", ".join(f"{k} {streams[k]:,}" for k in kinds))
     print("calibration walk per layer kind (float, observers, simulator, NPU build):")
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):

@@ -391,8 +391,9 @@ def extremes_range(low: float, high: float, request: RangeRequest) -> tuple[floa
     return _finish(low, high, False)
 
 
-PAIR_BLOCK = 1 << 22
-"""Byte pairs :func:`int8_summary` counts per task."""
+PAIR_BLOCK = 1 << 20
+"""Byte pairs :func:`int8_summary` counts per call (measured on 24 MB: 0.9 ns a byte at 2**20 pairs, 1.6 at 2**22,
+1.3 at 2**16; numpy's count of single bytes, 2.5)."""
 
 
 def int8_summary(values: np.ndarray, scale: float, zero_point: int, low: float, high: float) -> dict:
