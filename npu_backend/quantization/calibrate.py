@@ -5,7 +5,8 @@ float model's activations (the reference every SQNR is measured against), then
 on its quantized inputs with its quantized weights, which is what its output range
 is observed on; its output qparams are chosen, and the NPU's exact int8 output
 (:class:`npu_backend.quantization.steps.NpuLayer`) becomes the next layers'
-input. The same walk with every decision fixed is the simulated quantization
+input. A convolution or matmul is observed and run from one array of its exact
+integer sums (:mod:`npu_backend.quantization.integer_sums`). The same walk with every decision fixed is the simulated quantization
 of the model (:func:`simulate`): its outputs are the NPU's, bit for bit.
 """
 
@@ -19,6 +20,7 @@ import numpy as np
 from tvm import relax
 
 from simulator.config import NpuConfig
+from simulator.macs import FLOAT32_EXACT
 from simulator.softmax import SOFTMAX_OUTPUT
 from simulator.tables import LOGISTIC_OUTPUT, TANH_OUTPUT
 
@@ -28,8 +30,6 @@ from .layers import Layer, Output, function_outputs, resolve
 from .observers import (RangeRequest, TensorStats, activation_qparams, choose_range, extremes_range, int8_summary,
                         quantize_weights)
 from .rewrite import TensorQ, WeightQ
-from simulator.macs import FLOAT32_EXACT
-
 from .batched_float import HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
 from . import buffers, headroom, reconstruct
@@ -213,15 +213,19 @@ def _extremes_suffice(ctx: Context, layer: Layer, plan: Plan) -> bool:
             and not _widened(ctx, layer))
 
 
+def _global_range(config: QConfig) -> tuple[float, float, str, bool] | None:
+    """relay.quantize's global scale: one symmetric range for every activation (range, method, symmetric)."""
+    if config.global_scale is None:
+        return None
+    return -float(config.global_scale), float(config.global_scale), "global_scale", True
+
+
 def _choose_from_extremes(ctx: Context, low: float, high: float, name: str, records: list) -> TensorQ:
     """:func:`_choose` from the output's extremes, for :func:`_extremes_suffice`. The record's summary is left
     empty: it is filled from the NPU's int8 output (:func:`.observers.int8_summary`) once the layer has run."""
     config = ctx.config
-    if config.global_scale is not None:
-        lo, hi, method, symmetric = -float(config.global_scale), float(config.global_scale), "global_scale", True
-    else:
-        lo, hi = extremes_range(low, high, _request(config))
-        method, symmetric = _method_name(config), config.symmetric_activations
+    lo, hi, method, symmetric = _global_range(config) or (*extremes_range(low, high, _request(config)),
+                                                           _method_name(config), config.symmetric_activations)
     scale, zp = activation_qparams(lo, hi, bits=8, symmetric=symmetric, power_of_two=config.power_of_two)
     records.append(TensorRecord(name, method, {"min": low, "max": high}, float(scale), int(zp)))
     return TensorQ(float(scale), int(zp))
@@ -238,12 +242,8 @@ def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: P
         values = np.stack([np.array(v) for v in values])  # copies: batches may reuse their buffers
     stats = TensorStats(bins=config.bins)
     stats.update_samples(values)
-    symmetric = config.symmetric_activations
-    if config.global_scale is not None:  # relay.quantize's global scale: symmetric, one range for all
-        lo, hi, method, symmetric = -float(config.global_scale), float(config.global_scale), "global_scale", True
-    else:
-        lo, hi = choose_range(stats, config.calibration, _request(config))
-        method = _method_name(config)
+    lo, hi, method, symmetric = _global_range(config) or (*choose_range(stats, config.calibration, _request(config)),
+                                                           _method_name(config), config.symmetric_activations)
     if widen:
         lo, hi, factor = headroom.widened_range(values, lo, hi, config.output_headroom,
                                                 lambda subset: _method_range(config, subset),

@@ -13,7 +13,10 @@ ahead of the calibration walk.
 NPU and lowered to its command stream, run by the simulator on the int8 inputs
 the previous layers produced: so the integers that calibration hands to the next
 layer are the NPU's own, rounding and accumulator width included, not a float
-model of them. A layer the NPU does not take runs as TVM runs it on the host.
+model of them. A region that is one MAC layer is not lowered: its record goes to
+the simulator's output stage with the layer's exact sums
+(:mod:`npu_backend.quantization.integer_sums`). A layer the NPU does not take
+runs as TVM runs it on the host.
 """
 
 from __future__ import annotations
@@ -355,7 +358,8 @@ def centre_host(x: np.ndarray, zero_point: int, channels_first: bool) -> Centred
 
 
 class NpuLayer:
-    """One quantized layer as the NPU runs it: its own QDQ module, partitioned, lowered and simulated."""
+    """One quantized layer as the NPU runs it: its own QDQ module, partitioned; lowered and simulated when first
+    run (a MAC layer whose outputs calibration reads from its integer sums never is)."""
 
     def __init__(self, layer: Layer, folded: dict, inputs: list[TensorQ], output: TensorQ, weights: WeightQ | None,
                  constants: dict, source: str, config: NpuConfig):
