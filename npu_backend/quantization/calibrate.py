@@ -121,8 +121,10 @@ def _energies(reference: np.ndarray, value: np.ndarray) -> tuple[float, float]:
     return signal, float(np.dot(difference, difference))
 
 
-ENERGY_BLOCK = 1 << 15
-"""Values :func:`_quantized_energies` takes at a time (float64 and float32 blocks that stay in cache)."""
+ENERGY_BLOCK = 1 << 19
+"""Values :func:`_quantized_energies` takes at a time: a float64 and a float32 buffer reused for every block, where
+a batch-sized dequantized copy was written and read again (measured on 20 x 602,112 values, one thread: 1.4 ns a
+value at 2**19, 1.7 at 2**17, 2.1 at 2**15; 2.0 for the dequantized copy and per-sample energies)."""
 
 
 def _quantized_energies(reference: np.ndarray, values: np.ndarray, q: TensorQ) -> tuple[float, float]:
