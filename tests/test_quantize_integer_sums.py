@@ -31,6 +31,8 @@ LAYERS = {
     "strided NCHW": lambda: float_conv_block(RNG, "NCHW", "OIHW", 1, (1, 3, 9, 8), 10, strides=[2, 2],
                                              padding=[1, 1, 1, 1]),
     "depthwise NCHW": lambda: float_conv_block(RNG, "NCHW", "OIHW", 8, (1, 8, 7, 7), 8, padding=[1, 1, 1, 1]),
+    "depthwise x2 NHWC": lambda: float_conv_block(RNG, "NHWC", "HWOI", 4, (1, 7, 6, 4), 8,
+                                                  padding=[1, 1, 1, 1]),
     "NHWC dilated": lambda: float_conv_block(RNG, "NHWC", "HWIO", 1, (1, 9, 8, 6), 10, padding=[1, 1, 1, 1],
                                              dilation=[2, 2]),
     "dense": lambda: float_dense_chain([RNG.normal(0, 0.3, (40, 12))]),
@@ -40,6 +42,8 @@ CONFIGS = {
     "onnxruntime": QConfig(rounding="onnxruntime"),
     "14-bit wrap": QConfig(accumulator_bits=14),
     "14-bit saturate": QConfig(accumulator_bits=14, accumulator_overflow="saturate"),
+    "per-tensor": QConfig(per_channel=False),
+    "power-of-two": QConfig(power_of_two=True, rounding="onnxruntime"),
 }
 
 
