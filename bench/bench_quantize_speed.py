@@ -159,53 +159,55 @@ def instrument() -> Phases:
     calibrate = sys.modules["npu_backend.quantization.calibrate"]  # the package's calibrate() shadows it
     from simulator.isa import Opcode
 
+    simulated = "simulator: elementwise commands (batched)"
+    timed = [  # (where, what, phase): a function each phase's CPU time is charged to
+        (npu_backend.frontend.LOADERS, ".onnx", "import (TVM's ONNX importer)"),
+        (quantization, "cut_layers", "layer cut"),
+        (batched_float.WeightedPlan, "_sums_into", "conv/matmul sums, float and integer"),
+        (batched_float, "finish_into", "float bias, clamp"),
+        (steps.ElementwiseLayer, "run", "float elementwise layers (numpy)"),
+        (steps.FloatLayers, "run", "float layers on TVM, per sample"),
+        (steps._ReferenceState, "take", "walk: waiting for the float reference"),
+        (tvm, "compile", "tvm.compile"),
+        (partition, "partition_for_npu", "NPU layer: partition_for_npu"),
+        (codegen, "lower_module", "NPU layer: lower to a stream"),
+        (steps.NpuLayer, "_build", "NPU layer: lower to a stream"),
+        (steps.NpuLayer, "__init__", "NPU layer: emit QDQ"),
+        (steps, "run_stream_batch", "simulator: other (command loop, outputs)"),
+        (batch, "mac_output", "simulator: MAC commands (batched)"),
+        (batch, "_constant_mac", "simulator: MAC commands (batched)"),
+        (batch, "_table_elementwise", simulated),
+        (batch.PreparedBatch, "__init__", "simulator: prepare a stream (plans, tables)"),
+        (batch.BATCHED, Opcode.DMA_COPY, "simulator: DMA commands (batched)"),
+        (batch, "_fused_dma", "simulator: DMA layout transposes (fused)"),
+        (batch.BATCHED, Opcode.ADD, simulated), (batch.BATCHED, Opcode.SUB, simulated),
+        (batch.BATCHED, Opcode.MUL, simulated),
+        (batch, "validate_stream", "simulator: validate"),
+        (batch, "_BatchState", "simulator: load inputs, allocate memories"),
+        (batch, "_per_sample", "simulator: other commands (per sample)"),
+        (observers.TensorStats, "update_each", "observers: merge per-sample statistics"),
+        (observers, "_moments", "observers: extremes and moments"),
+        (observers, "_sample_counts", "observers: histograms"),
+        (calibrate, "int8_summary", "observers: int8 output histograms"),
+        (calibrate, "choose_range", "observers: choose_range"),
+        (integer_sums.IntegerSums, "__init__", "integer sums: channel statistics"),
+        (integer_sums.IntegerSums, "npu_outputs", "NPU output stage (from the sums)"),
+        (integer_sums, "to_channels_first", "NPU output stage: int8 to channels first"),
+        (calibrate, "centre_host", "centre int8 inputs (to channels last)"),
+        (batched_float.LayerSums, "channel_extremes", "accumulator peaks"),
+        (calibrate, "_accumulator_peaks", "accumulator peaks"),
+        (batched_float.Observation, "accumulator_sums", "bias correction"),
+        (calibrate, "_bias_shift", "bias correction"),
+        (calibrate, "_energies", "SQNR energies"),
+        (calibrate, "_quantized_energies", "SQNR energies"),
+        (steps, "quantize_host", "quantize/dequantize on the host"),
+        (steps, "dequantize_host", "quantize/dequantize on the host"),
+        (calibrate, "quantize_host", "quantize/dequantize on the host"),
+        (calibrate, "dequantize_host", "quantize/dequantize on the host"),
+    ]
     phases = Phases()
-    phases.wrap(npu_backend.frontend.LOADERS, ".onnx", "import (TVM's ONNX importer)")
-    phases.wrap(quantization, "cut_layers", "layer cut")
-    phases.wrap(batched_float.WeightedPlan, "_sums_into", "float conv/matmul sums (numpy BLAS)")
-    phases.wrap(batched_float, "finish_into", "float bias, clamp")
-    phases.wrap(steps.ElementwiseLayer, "run", "float elementwise layers (numpy)")
-    phases.wrap(steps.FloatLayers, "run", "float layers on TVM, per sample")
-    phases.wrap(steps._ReferenceState, "take", "walk: waiting for the float reference")
-    phases.wrap(tvm, "compile", "tvm.compile")
-    phases.wrap(partition, "partition_for_npu", "NPU layer: partition_for_npu")
-    phases.wrap(codegen, "lower_module", "NPU layer: lower to a stream")
-    phases.wrap(steps.NpuLayer, "__init__", "NPU layer: emit QDQ")
-    phases.wrap(steps, "run_stream_batch", "simulator: other (command loop, outputs)")
-    phases.wrap(batch, "mac_output", "simulator: MAC commands (batched)")
-    phases.wrap(batch, "_constant_mac", "simulator: MAC commands (batched)")
-    phases.wrap(batch, "_table_elementwise", "simulator: elementwise commands (batched)")
-    phases.wrap(batch.PreparedBatch, "__init__", "simulator: prepare a stream (plans, tables)")
-    phases.wrap(batch.BATCHED, Opcode.DMA_COPY, "simulator: DMA commands (batched)")
-    phases.wrap(batch, "_fused_dma", "simulator: DMA layout transposes (fused)")
-    for opcode in (Opcode.ADD, Opcode.SUB, Opcode.MUL):
-        phases.wrap(batch.BATCHED, opcode, "simulator: elementwise commands (batched)")
-    phases.wrap(batch, "validate_stream", "simulator: validate")
-    phases.wrap(batch, "_BatchState", "simulator: load inputs, allocate memories")
-    phases.wrap(batch, "_per_sample", "simulator: other commands (per sample)")
-    phases.wrap(observers.TensorStats, "update_each", "observers: merge per-sample statistics")
-    phases.wrap(observers, "_moments", "observers: extremes and moments")
-    phases.wrap(observers, "_sample_counts", "observers: histograms")
-    phases.wrap(calibrate, "choose_range", "observers: choose_range")
-    phases.wrap(batched_float.LayerSums, "channel_extremes", "accumulator peaks")
-    phases.wrap(integer_sums.IntegerSums, "__init__", "integer sums (numpy BLAS)")
-    phases.wrap(integer_sums.IntegerSums, "channel_extremes", "accumulator peaks")
-    phases.wrap(integer_sums.IntegerSums, "channel_totals", "bias correction")
-    phases.wrap(integer_sums.IntegerSums, "npu_outputs", "NPU output stage (from the sums)")
-    phases.wrap(steps, "centre_host", "centre int8 inputs (to channels last)")
-    phases.wrap(observers, "int8_summary", "observers: int8 output histograms")
-    phases.wrap(integer_sums, "to_channels_first", "NPU output stage: int8 to channels first")
-    phases.wrap(steps.NpuLayer, "_build", "NPU layer: lower to a stream")
-    phases.wrap(calibrate, "_accumulator_peaks", "accumulator peaks")
-    phases.wrap(batched_float.Observation, "accumulator_sums", "bias correction")
-    phases.wrap(calibrate, "_bias_shift", "bias correction")
-    phases.wrap(calibrate, "_energies", "SQNR energies")
-    phases.wrap(calibrate, "_quantized_energies", "SQNR energies")
-    phases.wrap(calibrate, "centre_host", "centre int8 inputs (to channels last)")
-    phases.wrap(calibrate, "int8_summary", "observers: int8 output histograms")
-    for module in (steps, calibrate):
-        phases.wrap(module, "quantize_host", "quantize/dequantize on the host")
-        phases.wrap(module, "dequantize_host", "quantize/dequantize on the host")
+    for owner, attr, name in timed:
+        phases.wrap(owner, attr, name)
     for module in (batched_float, integer_sums, observers, steps, calibrate):
         phases.wrap_shared(module, "run_all")
     phases.wrap(quantization, "walk", "walk: everything else")

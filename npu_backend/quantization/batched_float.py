@@ -181,11 +181,16 @@ def finish_into(layer: Layer, sums: np.ndarray, bias: np.ndarray | None, acc: np
         if out is not acc:
             out[...] = acc
         return
+    clamp_into(layer, acc, out)
+
+
+def clamp_into(layer: Layer, values: np.ndarray, out: np.ndarray) -> None:
+    """``out`` = the layer's fused clamp of ``values`` (float32 bounds; ReLU has no upper one)."""
     lo, hi = layer.clamp
     if hi == float("inf"):
-        np.maximum(acc, np.float32(lo), out=out)
+        np.maximum(values, np.float32(lo), out=out)
     else:
-        np.clip(acc, np.float32(lo), np.float32(hi), out=out)
+        np.clip(values, np.float32(lo), np.float32(hi), out=out)
 
 
 def one_blas_thread():
@@ -258,23 +263,25 @@ class Observation:
         return Batches(self.output_batches)
 
     def output_batches(self):
-        """The layer's outputs, samples in order, as batches ``[k, *shape]`` (each valid until the next): a chunk
-        per worker at a time, so that the consumer has samples for every worker too."""
-        parts = self._chunks
-        per_batch = max(1, parallel.WORKERS)
-        samples = parts[0].stop - parts[0].start
-        buffer = buffers.empty((min(self.shape[0], per_batch * samples), *self.shape[1:]), np.float32)
-        for first in range(0, len(parts), per_batch):
-            group = parts[first:first + per_batch]
-            offset = group[0].start
-            batch = buffer[:group[-1].stop - offset]
+        """The layer's outputs, samples in order, as batches (:func:`finished_batches`)."""
+        return finished_batches(self.shape, self._chunks, lambda part, rows: finish_into(
+            self.layer, self._sums.sums[part], self._bias, rows, rows))
 
-            def finish(part, offset=offset, batch=batch):
-                rows = batch[part.start - offset:part.stop - offset]
-                finish_into(self.layer, self._sums.sums[part], self._bias, rows, rows)
 
-            run_all(finish, group)
-            yield batch
+def finished_batches(shape: tuple[int, ...], parts: list[slice], finish):
+    """Outputs ``[N, ...]`` of ``shape`` as batches ``[k, ...]``, samples in order, each valid until the next: a
+    chunk per worker at a time, so that the consumer has samples for every worker too. ``finish(part, rows)``
+    writes the chunk ``part``'s outputs into ``rows`` (float32), on a worker."""
+    per_batch = max(1, parallel.WORKERS)
+    samples = parts[0].stop - parts[0].start
+    buffer = buffers.empty((min(shape[0], per_batch * samples), *shape[1:]), np.float32)
+    for first in range(0, len(parts), per_batch):
+        group = parts[first:first + per_batch]
+        offset = group[0].start
+        batch = buffer[:group[-1].stop - offset]
+        run_all(lambda part, offset=offset, batch=batch: finish(part, batch[part.start - offset:part.stop - offset]),
+                group)
+        yield batch
 
 
 class HostObservation:

@@ -27,10 +27,10 @@ from simulator.kernels import mac_register_output
 from simulator.macs import FLOAT32_EXACT
 
 from . import buffers
-from .batched_float import WeightedPlan, chunks
+from .batched_float import WeightedPlan, chunks, clamp_into, finished_batches
 from .layers import Layer
 from .observers import Batches
-from .parallel import WORKERS, run_all
+from .parallel import run_all
 from .transpose import to_channels_first
 
 
@@ -185,45 +185,28 @@ class IntegerObservation:
         return Batches(self.output_batches)
 
     def output_batches(self):
-        """The outputs, samples in order, as batches ``[k, *shape]`` (each valid until the next), a chunk per worker
-        at a time."""
+        """The outputs, samples in order, as batches (:func:`.batched_float.finished_batches`)."""
         sums = self._sums
-        parts = sums._chunks
-        per_batch = max(1, WORKERS)
-        samples = parts[0].stop - parts[0].start
-        buffer = buffers.empty((min(self.shape[0], per_batch * samples), *self.shape[1:]), np.float32)
         bias = None if self._bias is None else self._bias.astype(self._dtype)
         steps = self._steps
-        layer = sums.layer
-        for first in range(0, len(parts), per_batch):
-            group = parts[first:first + per_batch]
-            offset = group[0].start
-            batch = buffer[:group[-1].stop - offset]
 
-            def finish(part, offset=offset, batch=batch):
-                rows = batch[part.start - offset:part.stop - offset]
-                if self._dtype == np.float32:
-                    if bias is None:
-                        np.multiply(sums.sums[part], steps, out=rows)
-                    else:
-                        np.add(sums.sums[part], bias, out=rows)  # exact
-                        np.multiply(rows, steps, out=rows)
+        def finish(part: slice, rows: np.ndarray) -> None:
+            if self._dtype == np.float32:
+                if bias is None:
+                    np.multiply(sums.sums[part], steps, out=rows)
                 else:
-                    wide = sums.sums[part].astype(np.float64)
-                    if bias is not None:
-                        wide += bias
-                    np.multiply(wide, steps, out=rows, casting="same_kind")
-                _clamp(layer, rows)
+                    np.add(sums.sums[part], bias, out=rows)  # exact
+                    np.multiply(rows, steps, out=rows)
+            else:
+                wide = sums.sums[part].astype(np.float64)
+                if bias is not None:
+                    wide += bias
+                np.multiply(wide, steps, out=rows, casting="same_kind")
+            _clamp(sums.layer, rows)
 
-            run_all(finish, group)
-            yield batch
+        return finished_batches(self.shape, sums._chunks, finish)
 
 
 def _clamp(layer: Layer, rows: np.ndarray) -> None:
-    if layer.clamp is None:
-        return
-    lo, hi = layer.clamp
-    if hi == float("inf"):
-        np.maximum(rows, np.float32(lo), out=rows)
-    else:
-        np.clip(rows, np.float32(lo), np.float32(hi), out=rows)
+    if layer.clamp is not None:
+        clamp_into(layer, rows, rows)
