@@ -11,7 +11,8 @@ The NPU's MAC array sums ``(x - zp) * w`` exactly; the bias, the register's widt
 
 All three are read from one array of sums, formed by the float32 plan of :mod:`.batched_float` on the centred
 int8 input and the int8 weights, channels last whatever the model's layout (the output stage broadcasts its
-per-channel words along the last axis; an NCHW model's int8 input and output are transposed instead, a byte each): every product and partial sum is an integer, so the float32 sums are exact while
+per-channel words along the last axis; an NCHW model's int8 input and output are transposed instead, a byte
+each). Every product and partial sum is an integer, so the float32 sums are exact while
 ``max|x - zp| * max_oc sum|w| + max|bias|`` stays below 2**24 (the argument of :mod:`simulator.macs`), which
 :func:`exact_bound` checks before anything is formed. Calibration once ran the layer three times instead: in float
 on dequantized values to observe it, and twice more (sums and output stage) in the simulator on the lowered stream.
@@ -20,6 +21,7 @@ on dequantized values to observe it, and twice more (sums and output stage) in t
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -33,10 +35,13 @@ from .observers import Batches
 from .parallel import run_all
 from .transpose import to_channels_first
 
+if TYPE_CHECKING:
+    from ..codegen.lower import MacLayer
 
 STAGE_BLOCK = 1 << 18
-"""Accumulators the output stage takes per call: the block's accumulators, the stage's scans and its float64 work
-stay in the core's cache, and the calls are few enough that their fixed cost stays small."""
+"""Accumulators the output stage takes per call (it works through them in blocks of its own): enough that each
+call's fixed cost (finding its cached requantizer, binding its blocks) is small against the values, few enough
+that ``sums + bias`` is formed in a reused buffer."""
 
 
 def exact_bound(largest_input: int, weight: np.ndarray, axis: int, bias: np.ndarray | None) -> int:
@@ -90,7 +95,7 @@ class IntegerSums:
         mine = self.weight if weight_order is None else np.transpose(self.weight, weight_order)
         return mine.size == weights.size and np.array_equal(mine.reshape(weights.shape), weights)
 
-    def npu_outputs(self, mac) -> tuple[np.ndarray, int] | None:
+    def npu_outputs(self, mac: MacLayer) -> tuple[np.ndarray, int] | None:
         """The NPU's int8 outputs of the layer and its accumulator overflows, from these sums and the region's
         :class:`npu_backend.codegen.lower.MacLayer`: ``sums + bias`` through the MAC array's register and output
         stage. None when the region's record is not these sums' layer (other weights or input zero point) or its
