@@ -74,7 +74,8 @@ class WeightedPlan:
         x, w = self._operands(x, weight)
         acc = buffers.empty(self._out_shape(x, w), np.float32)
         out = acc if layer.clamp is None else buffers.empty_like(acc)
-        b = _bias(layer, bias)
+        # channels last (a model's NHWC, or an NCHW layer computed so, storage.py): the bias along the last axis
+        b = _bias(layer, bias) if self.channels_first or bias is None else np.asarray(bias, np.float32).reshape(-1)
 
         def chunk(part):
             self._sums_into(x[part], w, acc[part])

@@ -12,6 +12,7 @@ of the model (:func:`simulate`): its outputs are the NPU's, bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from .observers import (RangeRequest, TensorStats, activation_qparams, choose_ra
 from .rewrite import TensorQ, WeightQ
 from .batched_float import HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
-from . import buffers, headroom, reconstruct
+from . import buffers, headroom, reconstruct, storage
 from .parallel import run_all
 from .steps import Centred, FloatLayers, NpuLayer, ReferencePass, centre_host, dequantize_host, quantize_host
 
@@ -163,6 +164,35 @@ class Context:
             for v in layer.inputs:
                 self.last_use[v] = layer.index
         self.npu_cache: dict = {}
+        self._kept = None
+
+    @property
+    def kept(self) -> frozenset:
+        """The vars kept channels last (:mod:`.storage`; none when least-squares rounding reads a layer's inputs
+        and accumulators in its model's layout)."""
+        if self._kept is None:
+            self._kept = frozenset() if self.config.weight_rounding == "least_squares" else \
+                storage.channels_last_vars(self.layers, self.float.elementwise, self.outputs)
+        return self._kept
+
+    def run_float(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=()):
+        """:meth:`.steps.FloatLayers.run_batch` on inputs as the walk keeps them, its results kept so too: an NCHW
+        convolution computed channels last when its input or output is kept so (its plan reads and writes
+        either), any other layer on its model's layout."""
+        kept = self.kept
+        plan = self.float.plans[layer.index]
+        out_last = layer.output in kept
+        in_last = [v in kept for v in layer.inputs]
+        if plan is not None and plan.conv is not None and plan.channels_first and (in_last[0] or out_last):
+            x = inputs[0] if in_last[0] else storage.to_stored(inputs[0])
+            acc, out = dataclasses.replace(plan, channels_first=False).finished(layer, x, weight, bias)
+            if not out_last:
+                acc, out = storage.to_model(acc), storage.to_model(out)
+            return acc, out
+        if all(in_last) and out_last:  # an elementwise layer of kept tensors: the order of the elements is free
+            return self.float.run_batch(layer, inputs, weight, bias, constants)
+        inputs = [storage.to_model(x) if last else x for x, last in zip(inputs, in_last)]
+        return self.float.run_batch(layer, inputs, weight, bias, constants)
 
     @property
     def float(self) -> FloatLayers:
@@ -363,9 +393,9 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         return values[channels_first]
 
     # The float model's layers run ahead on a thread of their own: they depend on no quantization decision.
-    summarize = functools.partial(_float_accumulators, ctx.config)
-    pending = (ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs, summarize) if reference
-               else None)
+    summarize = functools.partial(_float_accumulators, ctx.config, kept=ctx.kept)
+    pending = (ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs, summarize, ctx.run_float)
+               if reference else None)
     for layer in ctx.layers:
         stats = LayerStats()
         weight = layer.weight
@@ -380,7 +410,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
             model_value = None
         else:
             inputs = [value(v) for v in layer.inputs]
-            out = ctx.float.run_batch(layer, inputs, weight, layer.bias, consts)[1]
+            out = ctx.run_float(layer, inputs, weight, layer.bias, consts)[1]
             hvals[layer.output] = out
             if ctx.has_q_point(layer.output, plan):
                 if calibrating:
@@ -429,11 +459,14 @@ class FloatAccumulators:
     """Accumulators per channel."""
 
 
-def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray) -> FloatAccumulators:
+def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray, kept=frozenset()
+                        ) -> FloatAccumulators:
     channels = layer.weight.shape[layer.weight_axis]
     totals = None
     if config.bias_correction and layer.bias is not None:
-        totals = np.sum(accumulators, axis=layer.batch_reduction(accumulators.ndim), dtype=np.float64)
+        others = (tuple(range(accumulators.ndim - 1)) if layer.output in kept  # channels last (storage.py)
+                  else layer.batch_reduction(accumulators.ndim))
+        totals = np.sum(accumulators, axis=others, dtype=np.float64)
     kept = accumulators if config.weight_rounding == "least_squares" else None
     return FloatAccumulators(kept, totals, accumulators.size // channels)
 
@@ -469,12 +502,27 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
             sums = _integer_sums(ctx, layer, wq, centred)
         if sums is not None:
             result = sums.npu_outputs(npu.mac)
-    out, overflows = result if result is not None else npu.run_batch([qvals[v] for v in layer.inputs])
+    if result is None:
+        result = _run_npu_layer(ctx, layer, npu, [qvals[v] for v in layer.inputs])
+    out, overflows = result
     if summarize is not None:
         q = plan.tensors[layer.output]
         summarize.stats = int8_summary(out, q.scale, q.zero_point, summarize.stats["min"], summarize.stats["max"])
     stats.overflows += overflows
     qvals[layer.output] = out
+
+
+def _run_npu_layer(ctx: Context, layer: Layer, npu: NpuLayer, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
+    """``npu.run_batch`` on the walk's int8 values (its stream or TVM's module take the model's layout): an
+    elementwise layer of kept tensors reads their bytes as they are (the order of the elements is free), any
+    other layer gets and gives the model's layout."""
+    kept = ctx.kept
+    in_last = [v in kept for v in layer.inputs]
+    if any(in_last) and all(in_last) and layer.output in kept and ctx.float.plans[layer.index] is None:
+        out, overflows = npu.run_batch([storage.reinterpreted(x, v) for x, v in zip(inputs, layer.inputs)])
+        return out.reshape(len(out), *np.moveaxis(out[0], 1, -1).shape), overflows
+    out, overflows = npu.run_batch([storage.to_model(x) if last else x for x, last in zip(inputs, in_last)])
+    return (storage.to_stored(out) if layer.output in kept else out), overflows
 
 
 class _Lazy:
@@ -495,10 +543,11 @@ def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred) -> In
     plan = ctx.float.plans[layer.index]
     if plan is None or wq is None:
         return None
-    x = centred(layer.inputs[0], plan.channels_first)
+    x = centred(layer.inputs[0], plan.channels_first and layer.inputs[0] not in ctx.kept)
     if exact_bound(x.largest, wq.weight, layer.weight_axis, None) >= FLOAT32_EXACT:
         return None
-    return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, x.largest)
+    return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, x.largest,
+                       model_layout=plan.channels_first and layer.output not in ctx.kept)
 
 
 def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, centred, records: list,
@@ -514,6 +563,7 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     constants = plan.constants[layer.index] = _constants(layer)
     wq = _weights(layer, config, input_q) if layer.weight is not None else None
     dq_inputs = _Lazy(lambda: [value(v) for v in layer.inputs])  # the integer sums do not need them
+    model_inputs = _Lazy(lambda: [storage.to_model(x) if v in ctx.kept else x for x, v in zip(dq_inputs(), layer.inputs)])
     dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
     problem = None  # least-squares weight rounding (reconstruct.py), applied to every choice of weight scales
     if wq is not None and config.weight_rounding == "least_squares" and ctx.float.plans[layer.index] is not None:
@@ -534,12 +584,12 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
             if memo.get("weight") is not wq.weight or memo.get("scales") is not wq.scales:
                 sums = _integer_sums(ctx, layer, wq, centred)
                 memo.update(weight=wq.weight, scales=wq.scales,
-                            sums=sums if sums is not None else ctx.float.sums(layer, dq_inputs(), w))
+                            sums=sums if sums is not None else ctx.float.sums(layer, model_inputs(), w))
             if isinstance(memo["sums"], IntegerSums):
                 steps = (np.float32(input_q.scale) * wq.scales).astype(np.float32)
                 return memo["sums"].observed(wq.bias, steps)
             return memo["sums"].observed(layer, b)
-        return HostObservation(layer, *ctx.float.run_batch(layer, dq_inputs(), w, b, dq_consts))
+        return HostObservation(layer, *ctx.run_float(layer, dq_inputs(), w, b, dq_consts))
 
     chunks = observe()
     if wq is not None:

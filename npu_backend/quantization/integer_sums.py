@@ -58,11 +58,12 @@ class IntegerSums:
     channels last: ``centred`` is the input centred and channels last (:func:`.steps.centre_host`)."""
 
     def __init__(self, layer: Layer, plan: WeightedPlan, centred: np.ndarray, weight: np.ndarray,
-                 input_zero_point: int, largest_input: int):
+                 input_zero_point: int, largest_input: int, model_layout: bool | None = None):
         self.layer, self.plan, self.weight = layer, plan, weight
         self.input_zero_point, self.largest_input = input_zero_point, largest_input
-        self.channels_first = plan.channels_first
-        """The model's layout is NCHW: the NPU's outputs are transposed back to it."""
+        self.channels_first = plan.channels_first if model_layout is None else model_layout
+        """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
+        channels last, :mod:`.storage`)."""
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
         self.sums, parts = dataclasses.replace(plan, channels_first=False).sums(centred, weight.astype(np.float32),
                                                                               then=_channel_statistics)

@@ -213,14 +213,17 @@ class ReferencePass:
 
     Each layer's inputs are released after their last use, as the walk releases its own. ``summarize(layer,
     accumulators)``, if given, replaces a weighted layer's accumulators in what :meth:`take` returns: what the walk
-    reads of them, computed here, beside it, so that the batch-sized array can be released at once.
+    reads of them, computed here, beside it, so that the batch-sized array can be released at once. ``run``
+    computes a layer (default :meth:`FloatLayers.run_batch`; the walk's keeps some tensors channels last).
     """
 
     LOOKAHEAD = 1
 
-    def __init__(self, floats: FloatLayers, layers: list[Layer], values: dict, last_use: dict, keep, summarize=None):
+    def __init__(self, floats: FloatLayers, layers: list[Layer], values: dict, last_use: dict, keep, summarize=None,
+                 run=None):
         floats.vm  # compiled here: TVM's BlockBuilder keeps one stack for all threads, the walk's NPU layers use it
-        self._state = _ReferenceState(floats, layers, dict(values), last_use, set(keep), summarize)
+        self._state = _ReferenceState(floats, layers, dict(values), last_use, set(keep), summarize,
+                                      run or floats.run_batch)
         parallel.spawn(self._state.run, "npu-quantize-reference")
 
     def take(self, layer: Layer):
@@ -232,8 +235,9 @@ class ReferencePass:
 
 
 class _ReferenceState:
-    def __init__(self, floats, layers, values, last_use, keep, summarize):
+    def __init__(self, floats, layers, values, last_use, keep, summarize, run):
         self.floats, self.layers, self.values, self.last_use, self.keep = floats, layers, values, last_use, keep
+        self.run_batch = run
         self.summarize = summarize
         self.results: dict = {}
         self.taken = -1
@@ -248,7 +252,7 @@ class _ReferenceState:
                     self.ready.wait_for(lambda: self.closed or layer.index <= self.taken + ReferencePass.LOOKAHEAD)
                     if self.closed:
                         return
-                result = self.floats.run_batch(layer, [self.values[v] for v in layer.inputs], layer.weight,
+                result = self.run_batch(layer, [self.values[v] for v in layer.inputs], layer.weight,
                                                layer.bias, list(layer.constants.values()))
                 self.values[layer.output] = result[1]
                 if self.summarize is not None and result[0] is not None:
