@@ -141,6 +141,22 @@ def test_float_layers_are_the_same_on_any_number_of_threads(name, monkeypatch):
 
 
 @pytest.mark.parametrize("name", LAYERS)
+def test_the_reference_pass_keeps_the_accumulators_totals_and_the_same_outputs(name, monkeypatch):
+    layer, _ = _conv_layer(*LAYERS[name][:5], **dict(LAYERS[name][5]))
+    plan = batched_float.plan_weighted(layer)
+    x = RNG.normal(0, 1, (5, *[int(d) for d in layer.inputs[0].ty.shape.values])).astype(np.float32)
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", x[0].size * 2)  # chunks of 2, 2 and 1 samples
+    acc, out = plan.finished(layer, x, layer.weight, layer.bias)
+    totals, clamped = plan.finished(layer, x, layer.weight, layer.bias, totals_only=True)
+    assert clamped.tobytes() == out.tobytes()  # clamped in place: the same float32 values
+    others = layer.batch_reduction(acc.ndim)
+    assert len(totals.parts) == 3 and totals.count == acc.size // acc.shape[1 + layer.output_axis]
+    for part, rows in zip(totals.parts, (slice(0, 2), slice(2, 4), slice(4, 5))):
+        assert part.tobytes() == np.sum(acc[rows], axis=others, dtype=np.float64).tobytes()
+    np.testing.assert_allclose(totals.totals, np.sum(acc, axis=others, dtype=np.float64), rtol=1e-12)
+
+
+@pytest.mark.parametrize("name", LAYERS)
 def test_an_observation_reads_what_the_chunks_hold(name, monkeypatch):
     layer, _ = _conv_layer(*LAYERS[name][:5], **dict(LAYERS[name][5]))
     plan = batched_float.plan_weighted(layer)

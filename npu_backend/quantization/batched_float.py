@@ -67,21 +67,36 @@ class WeightedPlan:
         results = run_all(chunk, chunks(len(x), x[0].size))
         return out if then is None else (out, results)
 
-    def finished(self, layer: Layer, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None):
+    def finished(self, layer: Layer, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
+                 totals_only: bool = False):
         """(accumulator, output) of the layer on ``x``: its sums, plus the bias in its own shape, then the clamp,
         each chunk finished while its sums are in cache. The output is the accumulator itself when there is no
-        clamp."""
+        clamp. ``totals_only``: :class:`ChannelTotals` of the accumulators instead of them, the clamp in place
+        (no second batch-sized array is written)."""
         x, w = self._operands(x, weight)
         acc = buffers.empty(self._out_shape(x, w), np.float32)
-        out = acc if layer.clamp is None else buffers.empty_like(acc)
+        out = acc if layer.clamp is None or totals_only else buffers.empty_like(acc)
         # channels last (a model's NHWC, or an NCHW layer computed so, storage.py): the bias along the last axis
         b = _bias(layer, bias) if self.channels_first or bias is None else np.asarray(bias, np.float32).reshape(-1)
+        others = (0, 1, 3, 4) if self.channels_first else tuple(range(acc.ndim - 1))  # all but the channel axis
 
         def chunk(part):
             self._sums_into(x[part], w, acc[part])
-            finish_into(layer, acc[part], b, acc[part], out[part])
+            if not totals_only:
+                finish_into(layer, acc[part], b, acc[part], out[part])
+                return None
+            rows = acc[part]
+            if b is not None:
+                np.add(rows, b, out=rows)  # what finish_into adds, before its clamp
+            totals = np.sum(rows, axis=others, dtype=np.float64)
+            if layer.clamp is not None:
+                clamp_into(layer, rows, rows)
+            return totals
 
-        run_all(chunk, chunks(len(x), x[0].size))
+        parts = run_all(chunk, chunks(len(x), x[0].size))
+        if totals_only:
+            channels = acc.shape[2] if self.channels_first else acc.shape[-1]
+            return ChannelTotals(parts, acc.size // channels), out
         return acc, out
 
     def _operands(self, x, weight):
@@ -123,6 +138,20 @@ class WeightedPlan:
         apply(padded, operands(w, conv, np.float32), conv, out)
         if self.channels_first:
             dest[...] = np.transpose(out, (0, 1, 4, 2, 3))
+
+
+@dataclass(frozen=True)
+class ChannelTotals:
+    """What the float model's pass keeps of a weighted layer's accumulators when only their totals are read (bias
+    correction): per chunk of samples, in order, the float64 total of each output channel, taken while the chunk
+    was in cache; and how many accumulators each channel has."""
+
+    parts: list
+    count: int
+
+    @property
+    def totals(self) -> np.ndarray:
+        return np.sum(self.parts, axis=0)
 
 
 def plan_weighted(layer: Layer) -> WeightedPlan | None:

@@ -31,7 +31,7 @@ from .layers import Layer, Output, function_outputs, resolve
 from .observers import (RangeRequest, TensorStats, activation_qparams, choose_range, extremes_range, int8_summary,
                         quantize_weights)
 from .rewrite import TensorQ, WeightQ
-from .batched_float import HostObservation
+from .batched_float import ChannelTotals, HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
 from . import buffers, headroom, reconstruct, storage
 from .parallel import run_all
@@ -175,7 +175,8 @@ class Context:
                 storage.channels_last_vars(self.layers, self.float.elementwise, self.outputs)
         return self._kept
 
-    def run_float(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=()):
+    def run_float(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=(),
+                  totals_only: bool = False):
         """:meth:`.steps.FloatLayers.run_batch` on inputs as the walk keeps them, its results kept so too: an NCHW
         convolution computed channels last when its input or output is kept so (its plan reads and writes
         either), any other layer on its model's layout."""
@@ -185,14 +186,14 @@ class Context:
         in_last = [v in kept for v in layer.inputs]
         if plan is not None and plan.conv is not None and plan.channels_first and (in_last[0] or out_last):
             x = inputs[0] if in_last[0] else storage.to_stored(inputs[0])
-            acc, out = dataclasses.replace(plan, channels_first=False).finished(layer, x, weight, bias)
+            acc, out = dataclasses.replace(plan, channels_first=False).finished(layer, x, weight, bias, totals_only)
             if not out_last:
-                acc, out = storage.to_model(acc), storage.to_model(out)
+                out = storage.to_model(out)
+                acc = acc if totals_only else storage.to_model(acc)
             return acc, out
-        if all(in_last) and out_last:  # an elementwise layer of kept tensors: the order of the elements is free
-            return self.float.run_batch(layer, inputs, weight, bias, constants)
-        inputs = [storage.to_model(x) if last else x for x, last in zip(inputs, in_last)]
-        return self.float.run_batch(layer, inputs, weight, bias, constants)
+        if not (all(in_last) and out_last):  # else an elementwise layer of kept tensors: the order is free
+            inputs = [storage.to_model(x) if last else x for x, last in zip(inputs, in_last)]
+        return self.float.run_batch(layer, inputs, weight, bias, constants, totals_only)
 
     @property
     def float(self) -> FloatLayers:
@@ -394,7 +395,9 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
 
     # The float model's layers run ahead on a thread of their own: they depend on no quantization decision.
     summarize = functools.partial(_float_accumulators, ctx.config, kept=ctx.kept)
-    pending = (ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs, summarize, ctx.run_float)
+    # least-squares rounding fits to the accumulators themselves; otherwise their totals are all that is read
+    run = functools.partial(ctx.run_float, totals_only=ctx.config.weight_rounding != "least_squares")
+    pending = (ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs, summarize, run)
                if reference else None)
     for layer in ctx.layers:
         stats = LayerStats()
@@ -410,7 +413,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
             model_value = None
         else:
             inputs = [value(v) for v in layer.inputs]
-            out = ctx.run_float(layer, inputs, weight, layer.bias, consts)[1]
+            out = ctx.run_float(layer, inputs, weight, layer.bias, consts, totals_only=True)[1]
             hvals[layer.output] = out
             if ctx.has_q_point(layer.output, plan):
                 if calibrating:
@@ -459,8 +462,11 @@ class FloatAccumulators:
     """Accumulators per channel."""
 
 
-def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray, kept=frozenset()
+def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray | ChannelTotals, kept=frozenset()
                         ) -> FloatAccumulators:
+    if isinstance(accumulators, ChannelTotals):  # taken chunk by chunk as the float model's pass formed them
+        totals = accumulators.totals if config.bias_correction and layer.bias is not None else None
+        return FloatAccumulators(None, totals, accumulators.count)
     channels = layer.weight.shape[layer.weight_axis]
     totals = None
     if config.bias_correction and layer.bias is not None:

@@ -125,11 +125,13 @@ class FloatLayers:
         plan = self.plans[layer.index]
         return None if plan is None else LayerSums(layer, plan.sums(inputs[0], weight))
 
-    def run_batch(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=()):
-        """(accumulator or None, output) of the layer for a batch of samples (each input ``[N, *shape]``)."""
+    def run_batch(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=(),
+                  totals_only: bool = False):
+        """(accumulator or None, output) of the layer for a batch of samples (each input ``[N, *shape]``);
+        ``totals_only``: a numpy-planned layer's :class:`.batched_float.ChannelTotals` for its accumulators."""
         plan = self.plans[layer.index]
         if plan is not None:
-            return plan.finished(layer, inputs[0], weight, bias)
+            return plan.finished(layer, inputs[0], weight, bias, totals_only)
         operands = self.elementwise[layer.index]
         if operands is not None:
             return None, operands.run(inputs, constants)
