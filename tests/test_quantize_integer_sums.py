@@ -23,6 +23,7 @@ from npu_backend.quantization.observers import int8_summary
 from npu_backend.quantization.rewrite import TensorQ
 from npu_backend.quantization.steps import NpuLayer, centre_host
 from npu_backend.quantization.batched_float import plan_weighted
+from simulator.mac_plans import exact_float_path
 
 RNG = np.random.default_rng(5)
 
@@ -74,6 +75,23 @@ def test_outputs_from_the_sums_are_the_simulated_streams(name, config, monkeypat
     assert got_overflows == want_overflows
     if config.accumulator_bits == 14:
         assert want_overflows > 0  # the narrow register is exercised
+
+
+def test_the_default_stage_takes_the_sums_as_they_are(monkeypatch):
+    # TFLite's rounding with 32-bit accumulators: the simulator's float64 requantizer with the bias folded in reads
+    # the sums themselves (no sums + bias array, no scans); the test above holds its bytes to the stream's
+    taken = []
+    monkeypatch.setattr(integer_sums, "exact_float_path",
+                        lambda *args: taken.append(exact_float_path(*args)) or taken[-1])
+    layer, folded, x = _layer_and_inputs("pointwise NCHW")
+    input_q = TensorQ(0.05, 3)
+    wq = _weights(layer, QConfig(), input_q)
+    npu = NpuLayer(layer, folded, [input_q], TensorQ(0.08, -7), wq, {}, "tflite", _npu_config(QConfig()))
+    plan = plan_weighted(layer)
+    centred = centre_host(x, 3, plan.channels_first)
+    got, overflows = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest).npu_outputs(npu.mac)
+    assert taken == [(True, True)] and overflows == 0
+    assert got.tobytes() == npu.run_batch([x])[0].tobytes()
 
 
 def test_a_record_that_is_not_these_sums_is_refused():

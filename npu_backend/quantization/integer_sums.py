@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from simulator.kernels import mac_register_output
+from simulator.mac_plans import MacConstants, exact_float_path
+from simulator.numerics import Float64Requantizer
 from simulator.macs import FLOAT32_EXACT
 
 from . import buffers
@@ -114,19 +116,32 @@ class IntegerSums:
         low, high = self.channel_extremes()
         ends = np.concatenate([low + p.bias, high + p.bias])
         largest = int(np.abs(ends).max(initial=0))  # max|sums + bias|: the register and the stage need no scan
+        # The simulator's own fast path for a command with constant operands: where nothing can overflow and the
+        # float64 requantizer (bias folded in) is exact for every channel's extreme sums, it takes the sums as
+        # they are (simulator.mac_plans.exact_float_path).
+        constants = MacConstants.of(mac.opcode, mac.conv, mac.config, p.weights,
+                                    mac.table.astype("<i4").reshape(-1).view(np.uint8))
+        bounds = np.maximum(np.abs(low), np.abs(high)).astype(np.int64)
+        folded, fold = exact_float_path(bounds, constants.bias, constants.register_max, constants.requantizer)
 
         def chunk(part: slice) -> int:
             rows = self.sums[part].reshape(-1, channels)
             last = buffers.empty(self.sums[part].shape, np.int8) if self.channels_first else out[part]
             written = last.reshape(-1, channels)
-            acc = np.empty((min(step, len(rows)), channels), self.sums.dtype)
             overflows = 0
-            for start in range(0, len(rows), step):
-                block = rows[start:start + step]
-                np.add(block, bias, out=acc[:len(block)])
-                values, count = mac_register_output(acc[:len(block)], mac.conv, mac.config, mac.table, largest)
-                written[start:start + step] = values
-                overflows += count
+            if folded:
+                work = np.empty(Float64Requantizer.work_size(channels))
+                for start in range(0, len(rows), step):
+                    constants.requantizer.bind(rows[start:start + step], written[start:start + step], work,
+                                               fold=fold)()
+            else:
+                acc = np.empty((min(step, len(rows)), channels), self.sums.dtype)
+                for start in range(0, len(rows), step):
+                    block = rows[start:start + step]
+                    np.add(block, bias, out=acc[:len(block)])
+                    values, count = mac_register_output(acc[:len(block)], mac.conv, mac.config, mac.table, largest)
+                    written[start:start + step] = values
+                    overflows += count
             if self.channels_first:
                 to_channels_first(last, out[part])
             return overflows
