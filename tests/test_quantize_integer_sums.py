@@ -55,20 +55,27 @@ def _layer_and_inputs(name, samples=6):
     return layer, folded, x
 
 
+def _npu_layer(name: str, config: QConfig, output_q=TensorQ(0.08, -7)):
+    """A layer's NPU form for an input with qparams (0.05, 3), and its int8 inputs centred as calibration centres
+    them: (layer, x, weights, npu layer, plan, centred input)."""
+    layer, folded, x = _layer_and_inputs(name)
+    input_q = TensorQ(0.05, 3)
+    wq = _weights(layer, config, input_q)
+    npu = NpuLayer(layer, folded, [input_q], output_q, wq, {}, ROUNDINGS[config.rounding], _npu_config(config))
+    plan = plan_weighted(layer)
+    return layer, x, wq, npu, plan, centre_host(x, input_q.zero_point, plan.channels_first)
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("name", LAYERS)
 def test_outputs_from_the_sums_are_the_simulated_streams(name, config, monkeypatch):
     config = CONFIGS[config]
-    layer, folded, x = _layer_and_inputs(name)
-    input_q, output_q = TensorQ(0.05, 3), TensorQ(0.08 if config.accumulator_bits == 32 else 0.5, -7)
-    wq = _weights(layer, config, input_q)
-    npu = NpuLayer(layer, folded, [input_q], output_q, wq, {}, ROUNDINGS[config.rounding], _npu_config(config))
+    layer, x, wq, npu, plan, centred = _npu_layer(name, config,
+                                                  TensorQ(0.08 if config.accumulator_bits == 32 else 0.5, -7))
     assert npu.on_npu and npu.mac is not None and npu.stream is None  # partitioned, not lowered
-    plan = plan_weighted(layer)
-    centred = centre_host(x, input_q.zero_point, plan.channels_first)
     assert centred.largest == max(abs(int(x.min()) - 3), abs(int(x.max()) - 3))
     monkeypatch.setattr(integer_sums, "STAGE_BLOCK", 7)  # many stage calls per chunk
-    sums = IntegerSums(layer, plan, centred.values, wq.weight, input_q.zero_point, centred.largest)
+    sums = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
     got, got_overflows = sums.npu_outputs(npu.mac)
     want, want_overflows = npu.run_batch([x])  # the region lowered to a stream and simulated
     assert got.shape == want.shape and got.tobytes() == want.tobytes()
@@ -83,24 +90,14 @@ def test_the_default_stage_takes_the_sums_as_they_are(monkeypatch):
     taken = []
     monkeypatch.setattr(integer_sums, "exact_float_path",
                         lambda *args: taken.append(exact_float_path(*args)) or taken[-1])
-    layer, folded, x = _layer_and_inputs("pointwise NCHW")
-    input_q = TensorQ(0.05, 3)
-    wq = _weights(layer, QConfig(), input_q)
-    npu = NpuLayer(layer, folded, [input_q], TensorQ(0.08, -7), wq, {}, "tflite", _npu_config(QConfig()))
-    plan = plan_weighted(layer)
-    centred = centre_host(x, 3, plan.channels_first)
+    layer, x, wq, npu, plan, centred = _npu_layer("pointwise NCHW", QConfig())
     got, overflows = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest).npu_outputs(npu.mac)
     assert taken == [(True, True)] and overflows == 0
     assert got.tobytes() == npu.run_batch([x])[0].tobytes()
 
 
 def test_a_record_that_is_not_these_sums_is_refused():
-    layer, folded, x = _layer_and_inputs("pointwise NCHW")
-    input_q = TensorQ(0.05, 3)
-    wq = _weights(layer, QConfig(), input_q)
-    npu = NpuLayer(layer, folded, [input_q], TensorQ(0.08, -7), wq, {}, "tflite", _npu_config(QConfig()))
-    plan = plan_weighted(layer)
-    centred = centre_host(x, 3, plan.channels_first)
+    layer, x, wq, npu, plan, centred = _npu_layer("pointwise NCHW", QConfig())
     other = wq.weight.copy()
     other.reshape(-1)[0] ^= 1
     assert IntegerSums(layer, plan, centred.values, other, 3, centred.largest).npu_outputs(npu.mac) is None
