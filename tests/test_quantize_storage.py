@@ -8,6 +8,7 @@ import pytest
 import tvm
 from tvm import relax
 
+import npu_backend
 from npu_backend import QConfig
 from npu_backend.quantization import calibrate, storage
 from npu_backend.quantization.layers import cut_layers, function_outputs, resolve
@@ -82,3 +83,17 @@ def test_keeping_tensors_channels_last_changes_no_decision(config, monkeypatch):
     for a, b in zip(kept.report.layers, model_layout.report.layers):
         assert a.sqnr_db == pytest.approx(b.sqnr_db, rel=1e-6)  # the float model's sums, in another order
         assert (a.accumulator_peak, a.overflows) == (b.accumulator_peak, b.overflows)
+
+
+@pytest.mark.parametrize("config", [QConfig(), QConfig(rounding="onnxruntime", calibration="percentile"),
+                                    QConfig(accumulator_bits=16, accumulator_overflow="saturate")],
+                         ids=["default", "onnxruntime-percentile", "acc16-saturate"])
+def test_the_partitioned_module_equals_the_simulation_with_tensors_kept(config):
+    # every layer on the NPU: the simulation is the module's integers, whatever layout the walk kept
+    calibrated = calibrate(nchw_block(), RNG.normal(0, 1, (12, 4, 6, 6)).astype(np.float32), config)
+    assert calibrated._ctx.kept
+    test = RNG.normal(0, 1, (4, 1, 4, 6, 6)).astype(np.float32)
+    partitioned = npu_backend.partition_for_npu(calibrated.module, calibrated.npu_config)
+    vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
+    for x, simulated in zip(test, calibrated.simulate(test[:, 0])):
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(), simulated[0])
