@@ -49,7 +49,8 @@ def nchw_block(skip_from_input: bool = False) -> tvm.IRModule:
 def _kept_layers(mod):
     func = mod["main"]
     layers, folded = cut_layers(func)
-    kept = storage.channels_last_vars(layers, FloatLayers(layers, folded).elementwise,
+    floats = FloatLayers(layers, folded)
+    kept = storage.channels_last_vars(layers, floats.plans, floats.elementwise,
                                       [resolve(v, folded) for v in function_outputs(func)])
     return [layer.name for layer in layers if layer.output in kept], [layer.name for layer in layers]
 

@@ -6,8 +6,9 @@ on its quantized inputs with its quantized weights, which is what its output ran
 is observed on; its output qparams are chosen, and the NPU's exact int8 output
 (:class:`npu_backend.quantization.steps.NpuLayer`) becomes the next layers'
 input. A convolution or matmul is observed and run from one array of its exact
-integer sums (:mod:`npu_backend.quantization.integer_sums`). The same walk with every decision fixed is the simulated quantization
-of the model (:func:`simulate`): its outputs are the NPU's, bit for bit.
+integer sums (:mod:`npu_backend.quantization.integer_sums`). The same walk with
+every decision fixed is the simulated quantization of the model (:func:`simulate`):
+its outputs are the NPU's, bit for bit.
 """
 
 from __future__ import annotations
@@ -172,7 +173,7 @@ class Context:
         and accumulators in its model's layout)."""
         if self._kept is None:
             self._kept = frozenset() if self.config.weight_rounding == "least_squares" else \
-                storage.channels_last_vars(self.layers, self.float.elementwise, self.outputs)
+                storage.channels_last_vars(self.layers, self.float.plans, self.float.elementwise, self.outputs)
         return self._kept
 
     def run_float(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=(),
@@ -394,7 +395,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         return values[channels_first]
 
     # The float model's layers run ahead on a thread of their own: they depend on no quantization decision.
-    summarize = functools.partial(_float_accumulators, ctx.config, kept=ctx.kept)
+    summarize = functools.partial(_float_accumulators, ctx.config)
     # least-squares rounding fits to the accumulators themselves; otherwise their totals are all that is read
     run = functools.partial(ctx.run_float, totals_only=ctx.config.weight_rounding != "least_squares")
     pending = (ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs, summarize, run)
@@ -462,17 +463,17 @@ class FloatAccumulators:
     """Accumulators per channel."""
 
 
-def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray | ChannelTotals, kept=frozenset()
-                        ) -> FloatAccumulators:
+def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray | ChannelTotals) -> FloatAccumulators:
+    """What the walk reads of a weighted layer's accumulators in the float model. The array itself comes only from
+    a layer TVM computes or with least-squares rounding, and is in the model's layout then (storage.py keeps
+    nothing channels last with least squares, nor a TVM layer's output)."""
     if isinstance(accumulators, ChannelTotals):  # taken chunk by chunk as the float model's pass formed them
         totals = accumulators.totals if config.bias_correction and layer.bias is not None else None
         return FloatAccumulators(None, totals, accumulators.count)
     channels = layer.weight.shape[layer.weight_axis]
     totals = None
     if config.bias_correction and layer.bias is not None:
-        others = (tuple(range(accumulators.ndim - 1)) if layer.output in kept  # channels last (storage.py)
-                  else layer.batch_reduction(accumulators.ndim))
-        totals = np.sum(accumulators, axis=others, dtype=np.float64)
+        totals = np.sum(accumulators, axis=layer.batch_reduction(accumulators.ndim), dtype=np.float64)
     kept = accumulators if config.weight_rounding == "least_squares" else None
     return FloatAccumulators(kept, totals, accumulators.size // channels)
 
@@ -524,23 +525,11 @@ def _run_npu_layer(ctx: Context, layer: Layer, npu: NpuLayer, inputs: list[np.nd
     other layer gets and gives the model's layout."""
     kept = ctx.kept
     in_last = [v in kept for v in layer.inputs]
-    if any(in_last) and all(in_last) and layer.output in kept and ctx.float.plans[layer.index] is None:
+    if all(in_last) and layer.output in kept and ctx.float.plans[layer.index] is None:
         out, overflows = npu.run_batch([storage.reinterpreted(x, v) for x, v in zip(inputs, layer.inputs)])
         return out.reshape(len(out), *np.moveaxis(out[0], 1, -1).shape), overflows
     out, overflows = npu.run_batch([storage.to_model(x) if last else x for x, last in zip(inputs, in_last)])
     return (storage.to_stored(out) if layer.output in kept else out), overflows
-
-
-class _Lazy:
-    """A value computed on first call, then kept."""
-
-    def __init__(self, make):
-        self._make, self._value = make, None
-
-    def __call__(self):
-        if self._make is not None:
-            self._value, self._make = self._make(), None
-        return self._value
 
 
 def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred) -> IntegerSums | None:
@@ -568,8 +557,9 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     input_q = plan.tensors[layer.inputs[0]]
     constants = plan.constants[layer.index] = _constants(layer)
     wq = _weights(layer, config, input_q) if layer.weight is not None else None
-    dq_inputs = _Lazy(lambda: [value(v) for v in layer.inputs])  # the integer sums do not need them
-    model_inputs = _Lazy(lambda: [storage.to_model(x) if v in ctx.kept else x for x, v in zip(dq_inputs(), layer.inputs)])
+    dq_inputs = functools.cache(lambda: [value(v) for v in layer.inputs])  # the integer sums do not need them
+    model_inputs = functools.cache(lambda: [storage.to_model(x) if v in ctx.kept else x
+                                            for x, v in zip(dq_inputs(), layer.inputs)])
     dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
     problem = None  # least-squares weight rounding (reconstruct.py), applied to every choice of weight scales
     if wq is not None and config.weight_rounding == "least_squares" and ctx.float.plans[layer.index] is not None:
@@ -635,9 +625,7 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
         plan.tensors[layer.output] = _choose(ctx, layer, outputs, plan, layer.output.name, records)
         summarize = None
     sums = memo.get("sums")
-    if not (isinstance(sums, IntegerSums) and sums.weight is plan.weights.get(layer.index, wq).weight):
-        sums = None
-    return sums, summarize
+    return (sums if isinstance(sums, IntegerSums) and sums.weight is wq.weight else None), summarize
 
 
 def _key(layer: Layer, plan: Plan) -> tuple:

@@ -63,7 +63,7 @@ class IntegerSums:
                  input_zero_point: int, largest_input: int, model_layout: bool | None = None):
         self.layer, self.plan, self.weight = layer, plan, weight
         self.input_zero_point, self.largest_input = input_zero_point, largest_input
-        self.channels_first = plan.channels_first if model_layout is None else model_layout
+        self.model_layout = plan.channels_first if model_layout is None else model_layout
         """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
         channels last, :mod:`.storage`)."""
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
@@ -111,7 +111,7 @@ class IntegerSums:
             return None
         bias = np.asarray(p.bias, np.float32)
         shape, channels = self.sums.shape, self.channels
-        out = buffers.empty((*shape[:2], shape[-1], *shape[2:-1]) if self.channels_first else shape, np.int8)
+        out = buffers.empty((*shape[:2], shape[-1], *shape[2:-1]) if self.model_layout else shape, np.int8)
         step = max(1, STAGE_BLOCK // channels)
         low, high = self.channel_extremes()
         ends = np.concatenate([low + p.bias, high + p.bias])
@@ -126,7 +126,7 @@ class IntegerSums:
 
         def chunk(part: slice) -> int:
             rows = self.sums[part].reshape(-1, channels)
-            last = buffers.empty(self.sums[part].shape, np.int8) if self.channels_first else out[part]
+            last = buffers.empty(self.sums[part].shape, np.int8) if self.model_layout else out[part]
             written = last.reshape(-1, channels)
             overflows = 0
             if folded:
@@ -142,7 +142,7 @@ class IntegerSums:
                     values, count = mac_register_output(acc[:len(block)], mac.conv, mac.config, mac.table, largest)
                     written[start:start + step] = values
                     overflows += count
-            if self.channels_first:
+            if self.model_layout:
                 to_channels_first(last, out[part])
             return overflows
 
@@ -198,7 +198,6 @@ class IntegerObservation:
         else:
             wide = ends + (0.0 if self._bias is None else self._bias.astype(np.float64))
             values = (wide * self._steps.astype(np.float64)).astype(np.float32)
-        values = values.astype(np.float32)
         _clamp(self._sums.layer, values)
         return float(values[0].min()), float(values[1].max())
 

@@ -224,8 +224,7 @@ class ReferencePass:
     def __init__(self, floats: FloatLayers, layers: list[Layer], values: dict, last_use: dict, keep, summarize=None,
                  run=None):
         floats.vm  # compiled here: TVM's BlockBuilder keeps one stack for all threads, the walk's NPU layers use it
-        self._state = _ReferenceState(floats, layers, dict(values), last_use, set(keep), summarize,
-                                      run or floats.run_batch)
+        self._state = _ReferenceState(layers, dict(values), last_use, set(keep), summarize, run or floats.run_batch)
         parallel.spawn(self._state.run, "npu-quantize-reference")
 
     def take(self, layer: Layer):
@@ -237,8 +236,8 @@ class ReferencePass:
 
 
 class _ReferenceState:
-    def __init__(self, floats, layers, values, last_use, keep, summarize, run):
-        self.floats, self.layers, self.values, self.last_use, self.keep = floats, layers, values, last_use, keep
+    def __init__(self, layers, values, last_use, keep, summarize, run):
+        self.layers, self.values, self.last_use, self.keep = layers, values, last_use, keep
         self.run_batch = run
         self.summarize = summarize
         self.results: dict = {}

@@ -21,38 +21,34 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..relax_exprs import static_shape
 from . import buffers
-from .batched_float import plan_weighted
 from .layers import Layer
 from .transpose import to_channels_first, to_channels_last
 
 
-def _shape(var) -> tuple[int, ...]:
-    return tuple(int(d) for d in var.ty.shape.values)
-
-
-def _flexible(layer: Layer, elementwise) -> str | None:
+def _flexible(layer: Layer, plan, elementwise) -> str | None:
     """``"conv"`` or ``"elementwise"`` for a flexible layer (module docstring), None otherwise."""
-    plan = plan_weighted(layer)
     if plan is not None and plan.conv is not None and plan.channels_first:
         return "conv"
     if elementwise is not None and all(role == "input" for role, _, _ in elementwise.operands):
-        shape = _shape(layer.output)
-        if len(shape) == 4 and all(_shape(v) == shape for v in layer.inputs):
+        shape = static_shape(layer.output)
+        if shape is not None and len(shape) == 4 and all(static_shape(v) == shape for v in layer.inputs):
             return "elementwise"
     return None
 
 
-def channels_last_vars(layers: list[Layer], elementwise: dict, outputs) -> frozenset:
-    """The vars calibration keeps channels last (module docstring); ``elementwise``: each layer's
-    :class:`.steps.ElementwiseLayer` or None, by index."""
-    kinds = {layer.index: _flexible(layer, elementwise[layer.index]) for layer in layers}
+def channels_last_vars(layers: list[Layer], plans: dict, elementwise: dict, outputs) -> frozenset:
+    """The vars calibration keeps channels last (module docstring); ``plans`` and ``elementwise``: each layer's
+    :class:`.batched_float.WeightedPlan` and :class:`.steps.ElementwiseLayer` or None, by index
+    (:class:`.steps.FloatLayers` makes both)."""
+    kinds = {layer.index: _flexible(layer, plans[layer.index], elementwise[layer.index]) for layer in layers}
     consumers: dict = {}
     for layer in layers:
         for v in layer.inputs:
             consumers.setdefault(v, []).append(layer)
     kept = {layer.output for layer in layers
-            if kinds[layer.index] and len(_shape(layer.output)) == 4 and layer.output not in outputs
+            if kinds[layer.index] and len(static_shape(layer.output) or ()) == 4 and layer.output not in outputs
             and consumers.get(layer.output) and all(kinds[c.index] for c in consumers[layer.output])}
     changed = True
     while changed:  # an elementwise layer's operands and result share one layout
@@ -83,4 +79,4 @@ def to_stored(values: np.ndarray) -> np.ndarray:
 def reinterpreted(values: np.ndarray, var) -> np.ndarray:
     """A kept tensor's bytes seen with its model shape, for a layer whose values do not depend on the order of
     the elements (an elementwise layer all of whose operands are kept alike)."""
-    return np.ascontiguousarray(values).reshape(len(values), *_shape(var))
+    return np.ascontiguousarray(values).reshape(len(values), *static_shape(var))
