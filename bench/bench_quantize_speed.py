@@ -10,13 +10,15 @@ calibration inputs:
   - ours: ``npu_backend.load_model`` (TVM's ONNX importer) then ``npu_backend.quantize`` with the default
     ``QConfig``, every layer calibrated on the simulated NPU's own integers (a convolution's or matmul's from its
     exact integer sums and the simulator's output stage, :mod:`npu_backend.quantization.integer_sums`; the other
-    layers' from their lowered streams).
+    layers' from their lowered streams), the float model run beside it for bias correction and the report's SQNR;
+  - ours doing quantize_static's work: ``QConfig(float_reference=False, bias_correction=False)``, the quantized
+    model's integers alone (no float pass, no SQNR).
 
 Both use every core: onnxruntime its intra-op thread pool, ours its calibration threads
 (:mod:`npu_backend.quantization.parallel`: the float model on a thread of its own, each layer's numpy work and
-simulator batch shared between the threads; ``--threads`` sets how many). The two alternate ``--rounds`` times
-(ours first in odd rounds), so that a busy machine slows both alike; the best round of each is reported, with the
-ratio. Then ours once more with every phase timed: exclusive CPU time per phase (a phase called inside another
+simulator batch shared between the threads; ``--threads`` sets how many). The three alternate ``--rounds``
+times (the order reversed every other round), so that a busy machine slows all alike; the best round of each is
+reported, with its ratio to onnxruntime's. Then ours once more with every phase timed: exclusive CPU time per phase (a phase called inside another
 is not counted twice), on the main thread and on the others, how many layers calibration read from their integer
 sums and the commands of the streams it lowered for the others (by what they do: a DMA through a DRAM scratch buffer
 is a spill or a layout change), and the walk's wall time per layer kind.
@@ -58,14 +60,22 @@ def ort_quantize(model: Path, inputs: np.ndarray, out: Path) -> None:
                     calibrate_method=CalibrationMethod.MinMax)
 
 
-def ours(model: Path, inputs: np.ndarray, progress=None):
+def ours(model: Path, inputs: np.ndarray, progress=None, config=None):
     import npu_backend
 
     start = time.perf_counter()
     mod = npu_backend.load_model(model)
     imported = time.perf_counter() - start
-    qmod = npu_backend.quantize(mod, inputs[:, 0], progress=progress)  # a batch on axis 0
+    qmod = npu_backend.quantize(mod, inputs[:, 0], config, progress=progress)  # a batch on axis 0
     return imported, time.perf_counter() - start, qmod
+
+
+def ranges_only():
+    """Our QConfig doing what quantize_static does: ranges on the calibration set, nothing measured against the
+    float model (no float pass, so no bias correction and no SQNR in the report)."""
+    import npu_backend
+
+    return npu_backend.QConfig(float_reference=False, bias_correction=False)
 
 
 class Phases:
@@ -281,8 +291,9 @@ def main() -> int:
 
     logging.getLogger().setLevel(logging.ERROR)  # onnxruntime's pre-processing advice
     times = defaultdict(list)
+    contenders = ("ours", "ranges", "ort")
     for r in range(args.rounds):
-        order = ("ours", "ort") if r % 2 == 0 else ("ort", "ours")
+        order = contenders if r % 2 == 0 else contenders[::-1]
         for who in order:
             if who == "ort" and args.skip_ort:
                 continue
@@ -291,18 +302,19 @@ def main() -> int:
                 ort_quantize(model, inputs, tmp / "ort_qdq.onnx")
                 times["ort"].append(time.perf_counter() - start)
             else:
-                imported, total, _ = ours(model, inputs)
-                times["ours"].append(total)
-                times["ours: import"].append(imported)
-            print(f"  round {r + 1}: {who:<5} {time.perf_counter() - start:7.2f} s", flush=True)
+                imported, total, _ = ours(model, inputs, config=ranges_only() if who == "ranges" else None)
+                times[who].append(total)
+                times[f"{who}: import"].append(imported)
+            print(f"  round {r + 1}: {who:<6} {time.perf_counter() - start:7.2f} s", flush=True)
     best = {k: min(v) for k, v in times.items()}
     print(f"\nbest of {args.rounds} rounds, wall time:" if best else "")
-    print(f"  onnxruntime quantize_static (QDQ, per-channel, MinMax): {best.get('ort', float('nan')):7.2f} s")
-    if "ours" in best:
-        print(f"  ours: load_model + quantize (default QConfig):          {best['ours']:7.2f} s "
-              f"(import {best['ours: import']:.2f} s)")
-    if "ort" in best and "ours" in best:
-        print(f"  ratio ours / onnxruntime = {best['ours'] / best['ort']:.2f}")
+    print(f"  onnxruntime quantize_static (QDQ, per-channel, MinMax):          {best.get('ort', float('nan')):7.2f} s")
+    labels = {"ours": "ours: load_model + quantize (default QConfig)",
+              "ranges": "ours, ranges only (float_reference=False, no bias correction)"}
+    for who, label in labels.items():
+        if who in best:
+            ratio = f"; ratio to onnxruntime {best[who] / best['ort']:.2f}" if "ort" in best else ""
+            print(f"  {label + ':':<64} {best[who]:7.2f} s (import {best[who + ': import']:.2f} s{ratio})")
 
     if args.no_phases:
         return 0

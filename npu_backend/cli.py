@@ -351,6 +351,8 @@ def cmd_quantize(args) -> int:
 
     if not str(args.output).endswith(SUFFIX):
         raise NpuError(f"the quantized model is written as a {SUFFIX} file: name -o accordingly")
+    if args.plot and args.no_float_reference:
+        raise NpuError("--plot draws each layer's SQNR against the float model, which --no-float-reference skips")
     mod = npu_backend.load_model(args.model)
     data = _calibration_data(args.calibration, [p.name for p in mod["main"].params], args.key)
     settings = dict(calibration=args.method, weight_bits=args.weight_bits, accumulator_bits=args.accumulator_bits,
@@ -360,6 +362,8 @@ def cmd_quantize(args) -> int:
                     global_scale=args.global_scale, preset=args.preset,
                     rounding=args.rounding or ("onnxruntime" if args.model.lower().endswith(".onnx") else "tflite"),
                     skip_layers=tuple(int(s) if s.isdigit() else s for s in args.skip or ()))
+    if args.no_float_reference:
+        settings.update(float_reference=False, bias_correction=False)
     for option in ("percentile", "weight_rounding", "output_headroom"):
         if getattr(args, option) is not None:
             settings[option] = getattr(args, option)
@@ -434,6 +438,9 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--fallback-budget", type=float, metavar="DB",
                        help="keep in float the layers whose quantization costs the output more than DB dB of SQNR")
     quant.add_argument("--global-scale", type=float, help="every activation on the range [-g, g]")
+    quant.add_argument("--no-float-reference", action="store_true",
+                       help="do not run the float model beside calibration: about a third less work, no bias "
+                            "correction and no SQNR in the report")
     quant.add_argument("--skip", action="append", help="layer kept float (name or index; repeatable)")
     quant.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
     quant.add_argument("--json", action="store_true", help="print the report as JSON")

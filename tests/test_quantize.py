@@ -187,10 +187,40 @@ def test_an_already_quantized_model_is_refused(cnn):
     ("global_scale", 0.0), ("global_scale", math.inf), ("skip_layers", [0]), ("skip_layers", (-1,)),
     ("float_ops", ("sigmoid", 3)), ("fallback_budget_db", -1.0), ("bins", 8), ("preset", 3),
     ("symmetric_activations", "yes"), ("power_of_two", None), ("avoid_overflow", 0), ("bias_correction", 1),
+    ("float_reference", "no"),
 ])
 def test_every_invalid_config_value_names_its_field(field, value):
     with pytest.raises(NpuError, match=rf"QConfig\.{field}:"):
         QConfig(**{field: value})
+
+
+@pytest.mark.parametrize("field, value", [
+    ("bias_correction", True), ("calibration", "kl"), ("weight_rounding", "least_squares"),
+    ("fallback_budget_db", 1.0)])
+def test_settings_that_read_the_float_model_are_refused_without_it(field, value):
+    settings = {"float_reference": False, "bias_correction": False, field: value}
+    with pytest.raises(NpuError, match=rf"QConfig\.{field}: .* needs the float model, and float_reference is False"):
+        QConfig(**settings)
+
+
+def test_without_the_float_reference_the_same_model_and_no_sqnr(cnn):
+    """The float model's pass only measures (with bias correction off and minmax): skipping it changes no
+    decision, and the report says it measured nothing rather than a number."""
+    measured = calibrate(float_cnn(), CALIBRATION, QConfig(bias_correction=False))
+    fast = calibrate(float_cnn(), CALIBRATION, QConfig(bias_correction=False, float_reference=False))
+    tvm.ir.assert_structural_equal(fast.module.without_attr("npu.quantization_report"),
+                                   measured.module.without_attr("npu.quantization_report"), map_free_vars=True)
+    assert [t.scale for t in fast.report.tensors] == [t.scale for t in measured.report.tensors]
+    assert all(math.isfinite(layer.sqnr_db) or layer.sqnr_db == math.inf for layer in measured.report.layers)
+    assert all(math.isnan(layer.sqnr_db) for layer in fast.report.layers)
+    assert math.isnan(fast.report.output_sqnr_db) and math.isfinite(measured.report.output_sqnr_db)
+    table = fast.report.to_table()
+    assert "output SQNR not measured (float_reference off)" in table
+    assert math.isnan(quantization_report(fast.module).layers[0].sqnr_db)  # through the module's JSON
+    with pytest.raises(NpuError, match="no SQNR to plot"):
+        fast.report.plot("unused.png")
+    for a, b in zip(fast.simulate(TEST), measured.simulate(TEST)):
+        np.testing.assert_array_equal(a[0], b[0])
 
 
 def test_a_callable_is_a_calibration_method():

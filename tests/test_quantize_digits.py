@@ -97,6 +97,7 @@ def test_cli_quantize_then_run_partition_and_compile(tmp_path, capsys):
     ("quantized", "already quantizes"),
     ("suffix", "written as a .npuq file"),
     ("headroom", "output_headroom: 3.0 is neither 'cross_validated' nor a number from 0 to 1"),
+    ("plot", "--plot draws each layer's SQNR against the float model, which --no-float-reference skips"),
 ])
 def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, message):
     model = DIGITS / "cnn_float.tflite"
@@ -108,7 +109,9 @@ def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, messag
                           "-o", str(tmp_path / "q.npuq")],
             "suffix": [str(model), "--calibration", str(calib), "-o", str(tmp_path / "q.tflite")],
             "headroom": [str(model), "--calibration", str(calib), "--output-headroom", "3", "-o",
-                         str(tmp_path / "q.npuq")]}[case]
+                         str(tmp_path / "q.npuq")],
+            "plot": [str(model), "--calibration", str(calib), "--no-float-reference", "--plot",
+                     str(tmp_path / "sqnr.png"), "-o", str(tmp_path / "q.npuq")]}[case]
     assert npu(["quantize", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("npu: error:") and message in err[0], err
@@ -119,9 +122,10 @@ def test_cli_narrow_accumulator_model_runs_on_its_own_hardware_and_reports_overf
     np.savez(calib, images=CALIBRATION[:10])
     out = tmp_path / "narrow.npuq"
     assert npu(["quantize", str(DIGITS / "cnn_float.tflite"), "--calibration", str(calib),
-                "--accumulator-bits", "14", "--overflow", "saturate", "-o", str(out)]) == 0
+                "--accumulator-bits", "14", "--overflow", "saturate", "--no-float-reference", "-o", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert "accumulators 14 bits (saturate)" in printed
+    assert "output SQNR not measured (float_reference off); accumulators 14 bits (saturate)" in printed
+    assert load_quantized(out).report.config["float_reference"] is False
     overflowed = sum(layer.overflows for layer in load_quantized(out).report.layers)
     assert overflowed > 0  # 14 bits cannot hold this CNN's sums: counted, never silent
     assert npu(["run", str(out)]) == 0  # partitioned for the file's own 14-bit NPU, so equal to its simulation

@@ -27,7 +27,7 @@ from simulator.softmax import SOFTMAX_OUTPUT
 from simulator.tables import LOGISTIC_OUTPUT, TANH_OUTPUT
 
 from ..errors import NpuError
-from .config import QConfig
+from .config import FLOAT_MODEL_METHODS, QConfig
 from .layers import Layer, Output, function_outputs, resolve
 from .observers import (RangeRequest, TensorStats, activation_qparams, choose_range, extremes_range, int8_summary,
                         quantize_weights)
@@ -37,13 +37,6 @@ from .integer_sums import IntegerObservation, IntegerSums, exact_bound
 from . import buffers, headroom, reconstruct, storage
 from .parallel import run_all
 from .steps import Centred, FloatLayers, NpuLayer, ReferencePass, centre_host, dequantize_host, quantize_host
-
-FLOAT_MODEL_METHODS = frozenset({"kl"})
-"""Range methods that observe a layer's output in the float model rather than on its quantized inputs. KL's
-divergence compares continuous distributions, as TensorRT and onnxruntime (which calibrate the float model) feed
-it; on quantized inputs a table operator's output (hard swish, sigmoid) takes at most 256 values, a comb whose
-coarse re-binning looks lossless, so KL kept clipping such tensors to a fraction of their range (MobileNet-like
-digits model: 2.97 dB)."""
 
 FIXED_OUTPUTS = {"sigmoid": LOGISTIC_OUTPUT, "tanh": TANH_OUTPUT, "softmax": SOFTMAX_OUTPUT}
 """Output qparams TFLite's int8 kernels fix (the NPU's legality checks the same tables)."""
@@ -354,14 +347,15 @@ def _constants(layer: Layer) -> dict:
     return out
 
 
-def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress=None, reference: bool = True):
-    """Run every layer over every sample, choosing qparams on the way when ``calibrating`` (which needs the float
-    model's values: ``reference``; without it, only the quantized model's outputs are computed).
+def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress=None, reference: bool = False):
+    """Run every layer over every sample, choosing qparams on the way when ``calibrating``. The float model runs
+    beside it when ``reference`` or, calibrating, the config's ``float_reference`` asks for it; without it, only
+    the quantized model's outputs are computed, and no SQNR is measured (the layers' are NaN).
 
-    Returns (the quantized model's outputs per sample, the float model's outputs per sample, per-layer
-    statistics by index, tensor records).
+    Returns (the quantized model's outputs per sample, the float model's outputs per sample (empty lists without
+    the reference), per-layer statistics by index, tensor records).
     """
-    reference = reference or calibrating
+    reference = reference or (calibrating and ctx.config.float_reference)
     fvals: dict = {}
     qvals: dict = {}
     hvals: dict = {}
@@ -426,7 +420,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
             energy.add_quantized(references, qvals[layer.output], plan.tensors[layer.output])
         elif references is not None:
             energy.add_samples(references, model_value)
-        stats.sqnr_db = energy.db
+        stats.sqnr_db = energy.db if reference else math.nan
         layer_stats[layer.index] = stats
         for v in list(layer.inputs):
             if ctx.last_use.get(v) == layer.index and v not in ctx.outputs:

@@ -38,7 +38,8 @@ class LayerEntry:
     output_scale: float
     output_zero_point: int
     sqnr_db: float
-    """SQNR of the layer's output in the quantized model against the float model, over the calibration set."""
+    """SQNR of the layer's output in the quantized model against the float model, over the calibration set (NaN:
+    not measured, ``QConfig.float_reference`` off)."""
     accumulator_peak: int
     overflows: int
     widened_channels: int
@@ -51,7 +52,7 @@ class QuantizationReport:
     tensors: tuple[TensorEntry, ...]
     layers: tuple[LayerEntry, ...]
     output_sqnr_db: float
-    """SQNR of the model's outputs against the float model's, over the calibration set."""
+    """SQNR of the model's outputs against the float model's, over the calibration set (NaN: not measured)."""
     accumulator_bits: int
     overflow_mode: str
 
@@ -89,17 +90,22 @@ class QuantizationReport:
         lines = [f"{'layer':<18} {'kind':<14} {'placement':<9} {'scale':>10} {'zp':>5} {'SQNR dB':>8} "
                  f"{'acc peak':>10} {'overflows':>9}  note"]
         for layer in self.layers:
-            sqnr = "exact" if math.isinf(layer.sqnr_db) and layer.sqnr_db > 0 else f"{layer.sqnr_db:.1f}"
+            sqnr = ("-" if math.isnan(layer.sqnr_db) else
+                    "exact" if math.isinf(layer.sqnr_db) and layer.sqnr_db > 0 else f"{layer.sqnr_db:.1f}")
             scale = f"{layer.output_scale:.3g}" if layer.output_scale else "-"
             lines.append(f"{layer.name:<18} {layer.kind:<14} {layer.placement:<9} {scale:>10} "
                          f"{layer.output_zero_point:>5} {sqnr:>8} {layer.accumulator_peak or '-':>10} "
                          f"{layer.overflows:>9}  {layer.note}")
-        lines.append(f"output SQNR {self.output_sqnr_db:.2f} dB; accumulators {self.accumulator_bits} bits "
+        output = ("output SQNR not measured (float_reference off)" if math.isnan(self.output_sqnr_db) else
+                  f"output SQNR {self.output_sqnr_db:.2f} dB")
+        lines.append(f"{output}; accumulators {self.accumulator_bits} bits "
                      f"({self.overflow_mode}), {self.total_overflows} overflow(s) on the calibration set")
         return "\n".join(lines)
 
     def plot(self, path) -> None:
         """A PNG of the SQNR of every layer (needs matplotlib: ``pip install "npu-backend[plot]"``)."""
+        if all(math.isnan(layer.sqnr_db) for layer in self.layers):
+            raise NpuError("no SQNR to plot: the model was calibrated without the float model (float_reference off)")
         try:
             import matplotlib
             matplotlib.use("Agg")
