@@ -276,6 +276,8 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=None, help="calibration threads (default: every core)")
     parser.add_argument("--skip-ort", action="store_true", help="time ours only")
     parser.add_argument("--no-phases", action="store_true", help="no instrumented run")
+    parser.add_argument("--phases-of", choices=["default", "ranges"], default="default",
+                        help="the configuration the instrumented run times (default: the default QConfig)")
     args = parser.parse_args()
     from npu_backend.quantization import parallel
 
@@ -347,7 +349,7 @@ def main() -> int:
 
         quantization.walk = walk
         stack.callback(lambda: setattr(quantization, "walk", original_walk))
-        ours(model, inputs, progress=progress)
+        ours(model, inputs, progress=progress, config=ranges_only() if args.phases_of == "ranges" else None)
     total = time.perf_counter() - start
     cpu = time.process_time() - cpu_start
     print(f"\nours, instrumented run: {total:.2f} s wall, {cpu:.2f} s CPU, {phases.workers} worker thread(s); "

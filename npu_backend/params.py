@@ -48,6 +48,8 @@ in its body, which says nothing about their roles.
 
 from __future__ import annotations
 
+import functools
+
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum
@@ -385,5 +387,12 @@ def _decode(kind, raw):
 def from_attrs(attrs, cls: type) -> NpuParams:
     """Rebuild a record of type ``cls`` from a composite function's attributes
     (:func:`npu_backend.ops.decode_composite` knows which type each operator's record has)."""
+    return cls(**{name: _decode(kind, attrs[f"npu.{name}"]) for name, kind in _field_types(cls)})
+
+
+@functools.cache
+def _field_types(cls: type) -> tuple[tuple[str, type], ...]:
+    """Each field's name and resolved type (``get_type_hints`` evaluates the annotations: once per record type,
+    not once per region decoded)."""
     hints = get_type_hints(cls)
-    return cls(**{f.name: _decode(hints[f.name], attrs[f"npu.{f.name}"]) for f in fields(cls)})
+    return tuple((f.name, hints[f.name]) for f in fields(cls))

@@ -112,8 +112,8 @@ def conv_multipliers(input_scale, weight_scales, output_scale, rounding=Rounding
     s_out = float(np.float32(output_scale))
     if s_out <= 0 or s_in <= 0:
         raise NumericsError(f"scales must be positive, got input {s_in} and output {s_out}")
-    pairs = [quantize_multiplier(s_in * float(np.float32(s_w)) / s_out, rounding)
-             for s_w in np.atleast_1d(weight_scales)]
+    weights = np.atleast_1d(np.asarray(weight_scales, np.float32)).astype(np.float64).tolist()  # exact widening
+    pairs = [quantize_multiplier(s_in * s_w / s_out, rounding) for s_w in weights]
     return (np.array([p[0] for p in pairs], dtype=np.int32),
             np.array([p[1] for p in pairs], dtype=np.int32))
 

@@ -84,6 +84,21 @@ def test_outputs_from_the_sums_are_the_simulated_streams(name, config, monkeypat
         assert want_overflows > 0  # the narrow register is exercised
 
 
+def test_sums_formed_without_totals_keep_their_extremes_and_outputs():
+    """Without bias correction nothing reads the per-channel totals, so they are not taken: the extremes and the
+    NPU's outputs are the same, and asking for the totals is an error rather than a wrong number."""
+    config = CONFIGS["tflite"]
+    layer, x, wq, npu, plan, centred = _npu_layer("pointwise NCHW", config, TensorQ(0.08, -7))
+    full = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    lean = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest, totals=False)
+    for a, b in zip(full.channel_extremes(), lean.channel_extremes()):
+        np.testing.assert_array_equal(a, b)
+    assert full.channel_totals().shape == (full.channels,)
+    with pytest.raises(ValueError, match="without their totals"):
+        lean.channel_totals()
+    assert full.npu_outputs(npu.mac)[0].tobytes() == lean.npu_outputs(npu.mac)[0].tobytes()
+
+
 def test_the_default_stage_takes_the_sums_as_they_are(monkeypatch):
     # TFLite's rounding with 32-bit accumulators: the simulator's float64 requantizer with the bias folded in reads
     # the sums themselves (no sums + bias array, no scans); the test above holds its bytes to the stream's

@@ -536,7 +536,8 @@ def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred) -> In
     if exact_bound(x.largest, wq.weight, layer.weight_axis, None) >= FLOAT32_EXACT:
         return None
     return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, x.largest,
-                       model_layout=plan.channels_first and layer.output not in ctx.kept)
+                       model_layout=plan.channels_first and layer.output not in ctx.kept,
+                       totals=ctx.config.bias_correction and layer.bias is not None)
 
 
 def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, centred, records: list,

@@ -60,21 +60,22 @@ class IntegerSums:
     channels last: ``centred`` is the input centred and channels last (:func:`.steps.centre_host`)."""
 
     def __init__(self, layer: Layer, plan: WeightedPlan, centred: np.ndarray, weight: np.ndarray,
-                 input_zero_point: int, largest_input: int, model_layout: bool | None = None):
+                 input_zero_point: int, largest_input: int, model_layout: bool | None = None, totals: bool = True):
         self.layer, self.plan, self.weight = layer, plan, weight
         self.input_zero_point, self.largest_input = input_zero_point, largest_input
         self.model_layout = plan.channels_first if model_layout is None else model_layout
         """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
         channels last, :mod:`.storage`)."""
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
+        statistics = _channel_statistics if totals else _channel_extremes  # totals: for bias correction alone
         self.sums, parts = dataclasses.replace(plan, channels_first=False).sums(centred, weight.astype(np.float32),
-                                                                              then=_channel_statistics)
+                                                                              then=statistics)
         self.channels = self.sums.shape[-1]
         self.per_channel = self.sums.size // self.channels
         self._chunks = chunks(len(self.sums), self.sums[0].size)
         self._extremes = (np.minimum.reduce([p[0] for p in parts]).astype(np.float64),
                           np.maximum.reduce([p[1] for p in parts]).astype(np.float64))
-        self._totals = np.sum([p[2] for p in parts], axis=0)
+        self._totals = np.sum([p[2] for p in parts], axis=0) if totals else None
 
     def exact_with(self, bias: np.ndarray | None) -> bool:
         largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
@@ -86,6 +87,8 @@ class IntegerSums:
 
     def channel_totals(self) -> np.ndarray:
         """The sums' total per output channel, float64 (exact: integers below 2**53, in any order)."""
+        if self._totals is None:
+            raise ValueError("these integer sums were formed without their totals (totals=False)")
         return self._totals
 
     def observed(self, bias: np.ndarray | None, steps: np.ndarray) -> IntegerObservation:
@@ -152,7 +155,13 @@ class IntegerSums:
 def _channel_statistics(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per channel (the last axis): min, max and float64 total of a chunk of sums, read while it is in cache."""
     rows = sums.reshape(-1, sums.shape[-1])
-    return np.min(rows, axis=0), np.max(rows, axis=0), np.sum(rows, axis=0, dtype=np.float64)
+    return *_channel_extremes(sums), np.sum(rows, axis=0, dtype=np.float64)
+
+
+def _channel_extremes(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per channel (the last axis): min and max of a chunk of sums."""
+    rows = sums.reshape(-1, sums.shape[-1])
+    return np.min(rows, axis=0), np.max(rows, axis=0)
 
 
 class IntegerObservation:
