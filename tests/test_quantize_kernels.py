@@ -48,3 +48,41 @@ def test_byte_counts_from_threads_at_once():
         t.join()
     for values, counts in zip(arrays, results):
         np.testing.assert_array_equal(counts, np.bincount(values.view(np.uint8), minlength=256))
+
+
+REQUANTIZERS = {  # (output zero point, act_min, act_max, output scale): no clamp, ReLU, ReLU6-like, a narrow one
+    "full range": (-5, -128, 127, 0.1),
+    "relu": (-128, -128, 127, 0.05),
+    "relu6": (-128, -128, -128 + 60, 0.1),
+    "clamp above zero": (10, 20, 100, 0.02),
+    "tiny scale": (3, -128, 127, 40.0),  # right shifts: the nudge below 1/2 matters
+}
+
+
+@pytest.mark.parametrize("case", REQUANTIZERS)
+@pytest.mark.parametrize("channels", [8, 24, 64])
+def test_requantize_is_the_simulators_float64_stage(case, channels):
+    from simulator.numerics import conv_multipliers, float64_requantizer
+
+    zero_point, low, high, output_scale = REQUANTIZERS[case]
+    rng = np.random.default_rng(channels)
+    weight_scales = rng.uniform(0.001, 0.02, channels).astype(np.float32)
+    multipliers, shifts = conv_multipliers(0.05, weight_scales, output_scale)
+    requantizer = float64_requantizer(multipliers, shifts, zero_point, low, high,
+                                      rng.integers(-5000, 5000, channels))
+    limit = min(int(requantizer.limit), 2 ** 24 - 1)  # float32 sums are exact integers up to 2**24
+    assert limit > 1000
+    sums = rng.integers(-limit, limit + 1, (300, channels)).astype(np.float32)
+    sums[0], sums[1] = limit, -limit  # the exact range's ends
+    sums[2] = 0
+    want = np.empty(sums.shape, np.int8)
+    requantizer.apply(sums, want)
+    got = np.full(sums.shape, 77, np.int8)
+    kernels.requantize(sums, requantizer, got)
+    np.testing.assert_array_equal(got, want)
+    assert len(np.unique(want)) > 2  # the stage is exercised, not saturated to one value
+
+
+def test_requantize_takes_whole_vectors_of_channels():
+    assert kernels.requantize_applies(8) and kernels.requantize_applies(1000)
+    assert not kernels.requantize_applies(10) and not kernels.requantize_applies(3)

@@ -30,7 +30,7 @@ from simulator.mac_plans import MacConstants, exact_float_path
 from simulator.numerics import Float64Requantizer
 from simulator.macs import FLOAT32_EXACT
 
-from . import buffers
+from . import buffers, kernels
 from .batched_float import WeightedPlan, chunks, clamp_into, finished_batches
 from .layers import Layer
 from .observers import Batches
@@ -132,7 +132,9 @@ class IntegerSums:
             last = buffers.empty(self.sums[part].shape, np.int8) if self.model_layout else out[part]
             written = last.reshape(-1, channels)
             overflows = 0
-            if folded:
+            if folded and kernels.requantize_applies(channels):  # the same stage, compiled: one pass
+                kernels.requantize(rows, constants.requantizer, written)
+            elif folded:
                 work = np.empty(Float64Requantizer.work_size(channels))
                 for start in range(0, len(rows), step):
                     constants.requantizer.bind(rows[start:start + step], written[start:start + step], work,
