@@ -86,3 +86,26 @@ def test_requantize_is_the_simulators_float64_stage(case, channels):
 def test_requantize_takes_whole_vectors_of_channels():
     assert kernels.requantize_applies(8) and kernels.requantize_applies(1000)
     assert not kernels.requantize_applies(10) and not kernels.requantize_applies(3)
+
+
+@pytest.mark.parametrize("size", [1, 7, 8, 9, 100_003])
+def test_energies_dequantize_as_the_host_does(size):
+    """Against the host's own dequantized values the noise is exactly zero (each value dequantized bit for bit as
+    the host does), and against a float reference both sums are numpy's float64 ones up to their order."""
+    from npu_backend.quantization.rewrite import TensorQ
+    from npu_backend.quantization.steps import dequantize_host
+
+    rng = np.random.default_rng(size)
+    q = TensorQ(0.0473, -7)
+    values = rng.integers(-128, 128, size).astype(np.int8)
+    exact = dequantize_host(values, q)
+    signal, noise = kernels.energies(exact, values, q.scale, q.zero_point)
+    assert noise == 0.0
+    assert signal == pytest.approx(float(np.dot(exact.astype(np.float64), exact.astype(np.float64))), rel=1e-12)
+    reference = (exact + rng.normal(0, 0.02, size)).astype(np.float32)
+    signal, noise = kernels.energies(reference, values, q.scale, q.zero_point)
+    wide = reference.astype(np.float64)
+    difference = wide - exact.astype(np.float64)
+    assert signal == pytest.approx(float(np.dot(wide, wide)), rel=1e-12)
+    assert noise == pytest.approx(float(np.dot(difference, difference)), rel=1e-12)
+    assert noise > 0

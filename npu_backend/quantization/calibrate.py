@@ -34,7 +34,7 @@ from .observers import (RangeRequest, TensorStats, activation_qparams, choose_ra
 from .rewrite import TensorQ, WeightQ
 from .batched_float import ChannelTotals, HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
-from . import buffers, headroom, reconstruct, storage
+from . import buffers, headroom, kernels, reconstruct, storage
 from .parallel import run_all
 from .steps import Centred, FloatLayers, NpuLayer, ReferencePass, centre_host, dequantize_host, quantize_host
 
@@ -93,7 +93,7 @@ class _Energy:
 
     def add_quantized(self, references: np.ndarray, values: np.ndarray, q: TensorQ) -> None:
         """:meth:`add_samples` with the dequantized int8 ``values`` (:func:`.steps.dequantize_host`'s float32
-        values), formed a block at a time rather than as a batch-sized array."""
+        values), each sample's energies in one compiled pass (:func:`_quantized_energies`)."""
         for signal, noise in run_all(lambda n: _quantized_energies(references[n], values[n], q),
                                      range(len(references))):
             self.signal += signal
@@ -116,28 +116,12 @@ def _energies(reference: np.ndarray, value: np.ndarray) -> tuple[float, float]:
     return signal, float(np.dot(difference, difference))
 
 
-ENERGY_BLOCK = 1 << 19
-"""Values :func:`_quantized_energies` takes at a time: a float64 and a float32 buffer reused for every block, where
-a batch-sized dequantized copy was written and read again (measured on 20 x 602,112 values, one thread: 1.4 ns a
-value at 2**19, 1.7 at 2**17, 2.1 at 2**15; 2.0 for the dequantized copy and per-sample energies)."""
-
-
 def _quantized_energies(reference: np.ndarray, values: np.ndarray, q: TensorQ) -> tuple[float, float]:
-    """:func:`_energies` of a sample against int8 ``values`` with qparams ``q``: each block dequantized in float32
-    as the host's dequantize does (``(x - zp) * scale``), its energies summed in float64."""
-    ref, vals = reference.reshape(-1), values.reshape(-1)
-    wide = buffers.empty(min(ref.size, ENERGY_BLOCK), np.float64)
-    narrow = buffers.empty(min(ref.size, ENERGY_BLOCK), np.float32)
-    signal = noise = 0.0
-    for start in range(0, ref.size, ENERGY_BLOCK):
-        r, v = wide[:min(ENERGY_BLOCK, ref.size - start)], narrow[:min(ENERGY_BLOCK, ref.size - start)]
-        np.copyto(r, ref[start:start + ENERGY_BLOCK])
-        signal += float(np.dot(r, r))
-        np.subtract(vals[start:start + ENERGY_BLOCK], np.float32(q.zero_point), out=v, dtype=np.float32)
-        v *= np.float32(q.scale)
-        np.subtract(r, v, out=r)
-        noise += float(np.dot(r, r))
-    return signal, noise
+    """:func:`_energies` of a sample against int8 ``values`` with qparams ``q``, dequantized as the host's
+    dequantize does (float32 ``(x - zp) * scale``), in one compiled pass (:func:`.kernels.energies`: its float64
+    sums in another order than :func:`_energies`' dot products, so equal to them up to the last bits)."""
+    return kernels.energies(np.ascontiguousarray(reference, np.float32), np.ascontiguousarray(values), q.scale,
+                            q.zero_point)
 
 
 class Context:

@@ -11,7 +11,14 @@ constant - nudge [below 1/2]))`` plus the zero point, every operation exact with
 numpy passes over float64 blocks: 12-19% of calibration's CPU on MobileNetV2-224. :func:`requantize` is the same
 formula on the same constants, one pass.
 
-A kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so an FMA or
+A quantized layer's SQNR against the float model needs, per sample, the float64 energy of the reference and of
+its difference from the dequantized int8 output: numpy dequantizes a block into float32, widens both to float64 and
+takes two dot products (2-3 ns a value); :func:`energies` does it in one pass. Its float64 sums are taken in
+another order than numpy's dot products (eight lanes, then their total), so an SQNR may differ from theirs in the
+last bits of its float64 value; the dequantized values are the host's own, bit for bit (float32 ``(q - zp) *
+scale``, one rounding).
+
+Otherwise a kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so an FMA or
 any order gives the same values), so it is the same whatever the compiler does with the loop. It is compiled once per process, at first use (about 0.05 s), with symbolic sizes: one kernel for every
 tensor. A call releases the GIL, so the worker threads of :mod:`.parallel` run kernels side by side.
 """
@@ -23,7 +30,7 @@ import threading
 import numpy as np
 
 LANES = 8
-"""Channels :func:`requantize` takes a vector at a time."""
+"""Channels :func:`requantize` takes a vector at a time (and the lanes :func:`energies` sums in)."""
 WAYS = 4
 """Interleaved histograms the count keeps (byte ``i`` counts in histogram ``i % WAYS``), summed at the end."""
 
@@ -63,6 +70,20 @@ def requantize(sums: np.ndarray, requantizer, out: np.ndarray) -> None:
     arrays = (sums.reshape(-1, *shape), *(a.reshape(shape) for a in per_channel), bounds, out.reshape(-1, *shape))
     _kernel("requantize", _requantize_func)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays),
                                             int(requantizer.zero_point))
+
+
+def energies(reference: np.ndarray, values: np.ndarray, scale: float, zero_point: int) -> tuple[float, float]:
+    """(signal, noise): the float64 sums of ``reference**2`` and of ``(reference - dequantized)**2`` over a
+    sample, ``dequantized`` the int8 ``values`` as the host dequantizes them (float32 ``(q - zp) * scale``);
+    ``reference`` float32, both contiguous and of one size."""
+    import tvm_ffi
+
+    sums = np.empty((2, LANES))
+    arrays = (reference.reshape(-1), values.reshape(-1).view(np.int8), sums)
+    _kernel("energies", _energies_func)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays),
+                                        float(np.float32(scale)), float(np.float32(zero_point)))
+    signal, noise = sums.sum(axis=1)
+    return float(signal), float(noise)
 
 
 def _kernel(name: str, make):
@@ -129,3 +150,34 @@ def _requantize_func():
                                         zero_point)
 
     return requantize
+
+
+def _energies_func():
+    from tvm.script import tirx as T
+
+    lanes = LANES
+
+    def squared_error(r, v, scale, zero_point):
+        difference = T.Cast("float64", r) - T.Cast("float64", (T.Cast("float32", v) - zero_point) * scale)
+        return difference * difference
+
+    @T.prim_func(check_well_formed=False)
+    def energies(r_h: T.handle, v_h: T.handle, sums_h: T.handle, scale: T.float32, zero_point: T.float32):
+        T.func_attr({"tir.noalias": True})
+        n = T.int64()
+        R = T.match_buffer(r_h, (n,), "float32", align=4)
+        V = T.match_buffer(v_h, (n,), "int8", align=1)
+        SUMS = T.match_buffer(sums_h, (2, lanes), "float64", align=8)
+        for k, lane in T.grid(2, lanes):
+            SUMS[k, lane] = T.float64(0)
+        for i in range(n // lanes):
+            for lane in T.vectorized(lanes):
+                SUMS[0, lane] = SUMS[0, lane] + T.Cast("float64", R[i * lanes + lane]) * T.Cast(
+                    "float64", R[i * lanes + lane])
+                SUMS[1, lane] = SUMS[1, lane] + squared_error(R[i * lanes + lane], V[i * lanes + lane], scale,
+                                                              zero_point)
+        for i in range(n - n % lanes, n):
+            SUMS[0, 0] = SUMS[0, 0] + T.Cast("float64", R[i]) * T.Cast("float64", R[i])
+            SUMS[1, 0] = SUMS[1, 0] + squared_error(R[i], V[i], scale, zero_point)
+
+    return energies
