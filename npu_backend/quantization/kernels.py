@@ -18,9 +18,10 @@ another order than numpy's dot products (eight lanes, then their total), so an S
 last bits of its float64 value; the dequantized values are the host's own, bit for bit (float32 ``(q - zp) *
 scale``, one rounding).
 
-Otherwise a kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so an FMA or
-any order gives the same values), so it is the same whatever the compiler does with the loop. It is compiled once per process, at first use (about 0.05 s), with symbolic sizes: one kernel for every
-tensor. A call releases the GIL, so the worker threads of :mod:`.parallel` run kernels side by side.
+Otherwise a kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so
+an FMA or any order gives the same values), so it is the same whatever the compiler does with the loop. Each is
+compiled once per process, at first use (0.05 to 0.1 s), with symbolic sizes: one kernel for every tensor. A call
+releases the GIL, so the worker threads of :mod:`.parallel` run kernels side by side.
 """
 
 from __future__ import annotations
