@@ -18,10 +18,11 @@ Both use every core: onnxruntime its intra-op thread pool, ours its calibration 
 (:mod:`npu_backend.quantization.parallel`: the float model on a thread of its own, each layer's numpy work and
 simulator batch shared between the threads; ``--threads`` sets how many). The three alternate ``--rounds``
 times (the order reversed every other round), so that a busy machine slows all alike; the best round of each is
-reported, with its ratio to onnxruntime's. Then ours once more with every phase timed: exclusive CPU time per phase (a phase called inside another
-is not counted twice), on the main thread and on the others, how many layers calibration read from their integer
-sums and the commands of the streams it lowered for the others (by what they do: a DMA through a DRAM scratch buffer
-is a spill or a layout change), and the walk's wall time per layer kind.
+reported, with its ratio to onnxruntime's. Then ours once more (``--phases-of``: the default configuration or the
+ranges-only one) with every phase timed: exclusive CPU time per phase (a phase called inside another is not counted
+twice), on the main thread and on the others, how many layers calibration read from their integer sums and the
+commands of the streams it lowered for the others (by what they do: a DMA through a DRAM scratch buffer is a spill
+or a layout change), and the walk's wall time per layer kind.
 
     python bench/bench_quantize_speed.py [--samples 100] [--rounds 2] [--threads N] [--skip-ort] [--no-phases]
 """

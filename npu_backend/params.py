@@ -49,7 +49,6 @@ in its body, which says nothing about their roles.
 from __future__ import annotations
 
 import functools
-
 import math
 from dataclasses import dataclass, field, fields
 from enum import Enum

@@ -125,7 +125,7 @@ def _initial_float_layers(layers, config: QConfig) -> tuple[set, dict]:
 def _calibrate(ctx: Context, float_layers: set, reasons: dict, samples, progress=None):
     plan = Plan(float_layers=set(float_layers), reasons=dict(reasons))
     outputs, floats, stats, records = walk(ctx, plan, samples, calibrating=True, progress=progress)
-    return plan, sqnr_db(floats, outputs) if ctx.config.float_reference else math.nan, stats, records
+    return plan, sqnr_db(floats, outputs), stats, records
 
 
 def _fallback(ctx: Context, plan: Plan, samples, budget: float, base_db: float):

@@ -73,16 +73,19 @@ class TensorRecord:
 
 
 class _Energy:
-    """Signal and error energy of one tensor over the calibration set, for an SQNR."""
+    """Signal and error energy of one tensor over the calibration set, for an SQNR (NaN when no sample was
+    measured: calibration without the float model)."""
 
     def __init__(self):
         self.signal = 0.0
         self.noise = 0.0
+        self.measured = False
 
     def add(self, reference: np.ndarray, value: np.ndarray) -> None:
         signal, noise = _energies(reference, value)
         self.signal += signal
         self.noise += noise
+        self.measured = True
 
     def add_samples(self, references: np.ndarray, value) -> None:
         """:meth:`add` for every sample ``n``: ``references[n]`` against ``value(n)``; each sample's energies on
@@ -90,6 +93,7 @@ class _Energy:
         for signal, noise in run_all(lambda n: _energies(references[n], value(n)), range(len(references))):
             self.signal += signal
             self.noise += noise
+            self.measured = True
 
     def add_quantized(self, references: np.ndarray, values: np.ndarray, q: TensorQ) -> None:
         """:meth:`add_samples` with the dequantized int8 ``values`` (:func:`.steps.dequantize_host`'s float32
@@ -98,9 +102,12 @@ class _Energy:
                                      range(len(references))):
             self.signal += signal
             self.noise += noise
+            self.measured = True
 
     @property
     def db(self) -> float:
+        if not self.measured:
+            return math.nan
         if self.noise == 0.0:
             return math.inf
         if self.signal == 0.0:
@@ -404,7 +411,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
             energy.add_quantized(references, qvals[layer.output], plan.tensors[layer.output])
         elif references is not None:
             energy.add_samples(references, model_value)
-        stats.sqnr_db = energy.db if reference else math.nan
+        stats.sqnr_db = energy.db
         layer_stats[layer.index] = stats
         for v in list(layer.inputs):
             if ctx.last_use.get(v) == layer.index and v not in ctx.outputs:

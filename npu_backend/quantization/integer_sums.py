@@ -156,8 +156,7 @@ class IntegerSums:
 
 def _channel_statistics(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per channel (the last axis): min, max and float64 total of a chunk of sums, read while it is in cache."""
-    rows = sums.reshape(-1, sums.shape[-1])
-    return *_channel_extremes(sums), np.sum(rows, axis=0, dtype=np.float64)
+    return *_channel_extremes(sums), np.sum(sums.reshape(-1, sums.shape[-1]), axis=0, dtype=np.float64)
 
 
 def _channel_extremes(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
