@@ -9,6 +9,8 @@ for.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -150,6 +152,24 @@ def test_the_observation_reads_what_its_outputs_hold(name, large_bias):
         expected = np.clip(expected, np.float32(layer.clamp[0]), np.float32(layer.clamp[1]))
     assert outputs.tobytes() == expected.astype(np.float32).tobytes()
     assert observed.output_extremes() == (float(outputs.min()), float(outputs.max()))
+
+
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_int8_inputs_are_centred_chunk_by_chunk_as_they_are_summed(name, monkeypatch):
+    """centre_host keeps the int8 bytes (channels last) and the sums subtract the zero point a chunk at a time:
+    the same sums as a float32 batch centred beforehand, and the largest |x - zp| of the bytes."""
+    from npu_backend.quantization import batched_float
+
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", 300)  # several chunks
+    layer, _, x = _layer_and_inputs(name, samples=5)
+    plan = dataclasses.replace(plan_weighted(layer), channels_first=False)
+    centred = centre_host(x, -9, plan_weighted(layer).channels_first)
+    assert centred.values.dtype == np.int8 and centred.zero_point == -9
+    assert centred.largest == int(np.abs(x.astype(np.int64) + 9).max())
+    weight = RNG.integers(-127, 128, layer.weight.shape).astype(np.float32)
+    want = plan.sums(centred.values.astype(np.float32) + np.float32(9), weight)
+    got = plan.sums(centred.values, weight, zero_point=-9)
+    assert got.tobytes() == want.tobytes()
 
 
 def test_the_exact_bound_counts_the_largest_channel_and_the_bias():

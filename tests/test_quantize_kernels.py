@@ -109,3 +109,66 @@ def test_energies_dequantize_as_the_host_does(size):
     assert signal == pytest.approx(float(np.dot(wide, wide)), rel=1e-12)
     assert noise == pytest.approx(float(np.dot(difference, difference)), rel=1e-12)
     assert noise > 0
+
+
+def _depthwise_case(channels, size, stride, dilation=1, kernel=3, padding=None, samples=2, seed=0):
+    from simulator.isa import Convolution, FeatureMap
+
+    pt, pl, pb, pr = padding if padding is not None else (dilation * (kernel // 2),) * 4
+    oh = (size + pt + pb - dilation * (kernel - 1) - 1) // stride + 1
+    ow = (size + 2 + pl + pr - dilation * (kernel - 1) - 1) // stride + 1  # width = size + 2: not square
+    conv = Convolution(ifm=FeatureMap(0, size, size + 2, channels), ofm=FeatureMap(0, oh, ow, channels),
+                       weights_address=0, scale_bias_address=0, kernel=(kernel, kernel), stride=(stride, stride),
+                       dilation=(dilation, dilation), padding=(pt, pl, pb, pr))
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((samples, size, size + 2, channels)) * 3).astype(np.float32)
+    x[x < -2] = 0.0
+    x[x > 2.5] = -0.0  # signed zeros: a sum of products starts at +0.0 as numpy's does
+    w = rng.standard_normal((channels, kernel, kernel)).astype(np.float32)
+    w[0] = -0.0
+    return conv, x, w
+
+
+needs_x86 = pytest.mark.skipif(not kernels.depthwise_applies(1), reason="the depthwise kernel needs x86's -fma")
+
+
+@needs_x86
+@pytest.mark.parametrize("channels, size, stride, dilation, kernel, padding", [
+    (8, 12, 1, 1, 3, None), (16, 13, 2, 1, 3, None), (24, 11, 2, 1, 3, (0, 0, 1, 1)), (13, 10, 1, 1, 3, None),
+    (3, 9, 1, 1, 3, None), (40, 15, 3, 1, 5, None), (8, 14, 1, 2, 3, None), (19, 12, 2, 2, 3, (2, 1, 0, 3)),
+    (8, 7, 1, 1, 1, (0, 0, 0, 0))],
+    ids=lambda v: str(v))
+def test_depthwise_is_the_einsum_bit_for_bit(channels, size, stride, dilation, kernel, padding):
+    """Float32 sums in numpy's order and rounding (no fused multiply-add), every stride, dilation, kernel size,
+    a channel count that is not whole vectors, and signed zeros."""
+    from simulator.macs import centred_input, depthwise_sums
+
+    conv, x, w = _depthwise_case(channels, size, stride, dilation, kernel, padding)
+    padded = centred_input(x, 0, conv.padding, np.float32)
+    out = np.empty((len(x), conv.ofm.height, conv.ofm.width, channels), np.float32)
+    kernels.depthwise(padded, w, conv, out)
+    assert out.tobytes() == depthwise_sums(padded, w, conv).tobytes()
+
+
+@needs_x86
+def test_depthwise_sums_of_integers_are_exact():
+    from simulator.macs import centred_input
+
+    conv, _, _ = _depthwise_case(32, 16, 2, samples=3)
+    rng = np.random.default_rng(5)
+    x = rng.integers(-128, 128, (3, 16, 18, 32)).astype(np.int8)
+    w = rng.integers(-127, 128, (32, 3, 3)).astype(np.int8)
+    padded = centred_input(x, -7, conv.padding, np.float32)
+    out = np.empty((3, conv.ofm.height, conv.ofm.width, 32), np.float32)
+    kernels.depthwise(padded, w.astype(np.float32), conv, out)
+    wide = centred_input(x, -7, conv.padding, np.int64)
+    want = np.zeros(out.shape, np.int64)
+    for ky in range(3):
+        for kx in range(3):
+            want += wide[:, ky:ky + 2 * (conv.ofm.height - 1) + 1:2, kx:kx + 2 * (conv.ofm.width - 1) + 1:2] * w[:, ky, kx]
+    np.testing.assert_array_equal(out.astype(np.int64), want)
+
+
+def test_depthwise_is_for_one_input_channel_per_output():
+    assert not kernels.depthwise_applies(2)
+    assert kernels.depthwise_applies(1) == (kernels._NO_FMA is not None)

@@ -28,7 +28,7 @@ from simulator.macs import PREPARED_SUMS, centred_input
 from ..relax_exprs import is_call
 from .layers import Layer
 from .observers import Batches
-from . import buffers, depthwise, parallel
+from . import buffers, depthwise, kernels, parallel
 from .parallel import run_all
 
 CHUNK_ELEMENTS = 1 << 20
@@ -53,15 +53,17 @@ class WeightedPlan:
     weight_order: tuple[int, ...]
     """Transpose of the layer's weight to the opcode's ``[OC, KH, KW, IC]`` (depthwise: then ``[..., 0]``)."""
 
-    def sums(self, x: np.ndarray, weight: np.ndarray, then=None) -> np.ndarray | tuple[np.ndarray, list]:
-        """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32.
-        With ``then``: also ``[then(sums of a chunk) for each chunk]`` in order, each called on the thread that
-        formed the chunk, while its values are in cache."""
+    def sums(self, x: np.ndarray, weight: np.ndarray, then=None, zero_point: int = 0
+             ) -> np.ndarray | tuple[np.ndarray, list]:
+        """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32; or on
+        ``x - zero_point`` for an int8 ``x`` channels last, centred a chunk at a time as the chunk is summed (no
+        float32 copy of the batch). With ``then``: also ``[then(sums of a chunk) for each chunk]`` in order, each
+        called on the thread that formed the chunk, while its values are in cache."""
         x, w = self._operands(x, weight)
         out = buffers.empty(self._out_shape(x, w), np.float32)
 
         def chunk(part: slice):
-            self._sums_into(x[part], w, out[part])
+            self._sums_into(x[part], w, out[part], zero_point)
             return None if then is None else then(out[part])
 
         results = run_all(chunk, chunks(len(x), x[0].size))
@@ -100,7 +102,9 @@ class WeightedPlan:
         return acc, out
 
     def _operands(self, x, weight):
-        x = np.asarray(x, np.float32)
+        x = np.asarray(x)
+        if x.dtype != np.int8:
+            x = x.astype(np.float32, copy=False)
         w = np.transpose(weight, self.weight_order) if self.conv is not None else np.asarray(weight, np.float32)
         return x, w
 
@@ -112,12 +116,19 @@ class WeightedPlan:
                                                                                           ofm.channels)
         return (*x.shape[:2], *per_sample)
 
-    def _sums_into(self, x: np.ndarray, w: np.ndarray, dest: np.ndarray) -> None:
-        """One chunk's sums, written into ``dest`` (the chunk's rows of the batch's result)."""
+    def _sums_into(self, x: np.ndarray, w: np.ndarray, dest: np.ndarray, zero_point: int = 0) -> None:
+        """One chunk's sums of ``x`` (float32, or int8 less ``zero_point``), written into ``dest`` (the chunk's
+        rows of the batch's result)."""
+        centring = x.dtype != np.float32
         if self.opcode == Opcode.FULLY_CONNECTED:
-            np.matmul(x.reshape(-1, x.shape[-1]), w, out=dest.reshape(-1, w.shape[-1]))
+            rows = x.reshape(-1, x.shape[-1])
+            if centring:
+                rows = np.subtract(rows, np.float32(zero_point), out=buffers.empty(rows.shape), dtype=np.float32)
+            np.matmul(rows, w, out=dest.reshape(-1, w.shape[-1]))
             return
         conv = self.conv
+        if centring and self.channels_first:
+            raise ValueError("int8 inputs are summed channels last")
         if (self.channels_first and self.opcode == Opcode.CONV2D and conv.kernel == (1, 1)
                 and conv.stride == (1, 1) and conv.padding == (0, 0, 0, 0)):
             # Pointwise in NCHW: W [OC, IC] @ x [IC, H*W] per sample, no transposes.
@@ -134,8 +145,14 @@ class WeightedPlan:
         operands, apply = PREPARED_SUMS[self.opcode]
         ofm = conv.ofm
         out = buffers.empty((*nhwc.shape[:-3], ofm.height, ofm.width, ofm.channels)) if self.channels_first else dest
-        padded = centred_input(nhwc, 0, conv.padding, np.float32, empty=buffers.empty)  # reused memory, not new pages
-        apply(padded, operands(w, conv, np.float32), conv, out)
+        if centring or conv.padding != (0, 0, 0, 0) or not nhwc.flags.c_contiguous:
+            padded = centred_input(nhwc, zero_point, conv.padding, np.float32, empty=buffers.empty)  # reused memory
+        else:
+            padded = nhwc  # a float32 pointwise layer's input as it is: nothing to centre, pad or gather
+        if self.opcode == Opcode.DEPTHWISE_CONV2D and kernels.depthwise_applies(ofm.channels // conv.ifm.channels):
+            kernels.depthwise(padded, w, conv, out)  # the einsum's sums, bit for bit, compiled
+        else:
+            apply(padded, operands(w, conv, np.float32), conv, out)
         if self.channels_first:
             dest[...] = np.transpose(out, (0, 1, 4, 2, 3))
 

@@ -57,7 +57,8 @@ def exact_bound(largest_input: int, weight: np.ndarray, axis: int, bias: np.ndar
 class IntegerSums:
     """``sum((x - zp) * w)`` of every output element over the batch, float32, exact (the caller checked
     :func:`exact_bound` for the weights with no bias; :meth:`exact_with` says whether a bias keeps it so) and
-    channels last: ``centred`` is the input centred and channels last (:func:`.steps.centre_host`)."""
+    channels last: ``centred`` is the int8 input channels last (:func:`.steps.centre_host`), centred by
+    ``input_zero_point`` as it is summed."""
 
     def __init__(self, layer: Layer, plan: WeightedPlan, centred: np.ndarray, weight: np.ndarray,
                  input_zero_point: int, largest_input: int, model_layout: bool | None = None, totals: bool = True):
@@ -69,7 +70,8 @@ class IntegerSums:
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
         statistics = _channel_statistics if totals else _channel_extremes  # totals: for bias correction alone
         self.sums, parts = dataclasses.replace(plan, channels_first=False).sums(centred, weight.astype(np.float32),
-                                                                              then=statistics)
+                                                                              then=statistics,
+                                                                              zero_point=input_zero_point)
         self.channels = self.sums.shape[-1]
         self.per_channel = self.sums.size // self.channels
         self._chunks = chunks(len(self.sums), self.sums[0].size)

@@ -335,8 +335,10 @@ def dequantize_host(x: np.ndarray, q: TensorQ) -> np.ndarray:
 
 @dataclass(frozen=True)
 class Centred:
-    """An int8 tensor as the MAC array reads it: ``x - zero_point`` in float32 (exact), channels last, and its
-    largest magnitude (what bounds its layers' sums, :func:`.integer_sums.exact_bound`)."""
+    """An int8 tensor as the MAC array reads it: its values channels last, the zero point the sums subtract (a
+    chunk at a time as they are formed, :meth:`.batched_float.WeightedPlan.sums`: a float32 copy of the batch
+    would be four times its bytes, written and read once more), and its largest ``|x - zero_point|`` (what
+    bounds its layers' sums, :func:`.integer_sums.exact_bound`)."""
 
     values: np.ndarray
     zero_point: int
@@ -344,22 +346,20 @@ class Centred:
 
 
 def centre_host(x: np.ndarray, zero_point: int, channels_first: bool) -> Centred:
-    """``x - zero_point`` of an int8 batch ``[N, ...]`` in float32, a sample chunk per task; an NCHW batch
-    ``[N, 1, C, H, W]`` (``channels_first``) comes out NHWC, transposed on the way (:mod:`.transpose`; its int8
-    bytes are read once, where a float32 transpose of the sums would move four times as many)."""
+    """An int8 batch ``[N, ...]`` as :class:`Centred`; an NCHW batch ``[N, 1, C, H, W]`` (``channels_first``)
+    comes out NHWC, its bytes transposed (:mod:`.transpose`), a sample chunk per task."""
     x = np.asarray(x)
-    out = buffers.empty(np.moveaxis(x, 2, -1).shape if channels_first else x.shape, np.float32)
     if channels_first:
-        to_channels_last(x, out, zero_point)
+        out = buffers.empty(np.moveaxis(x, 2, -1).shape, x.dtype)
+        to_channels_last(x, out)
+        x = out
 
     def part(rows: slice) -> tuple[int, int]:
-        if not channels_first:
-            np.subtract(x[rows], np.float32(zero_point), out=out[rows], dtype=np.float32)
         return int(x[rows].min()), int(x[rows].max())
 
     extremes = run_all(part, chunks(len(x), x[0].size))
     low, high = min(e[0] for e in extremes), max(e[1] for e in extremes)
-    return Centred(out, int(zero_point), max(abs(low - zero_point), abs(high - zero_point)))
+    return Centred(x, int(zero_point), max(abs(low - zero_point), abs(high - zero_point)))
 
 
 class NpuLayer:
