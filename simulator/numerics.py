@@ -112,10 +112,33 @@ def conv_multipliers(input_scale, weight_scales, output_scale, rounding=Rounding
     s_out = float(np.float32(output_scale))
     if s_out <= 0 or s_in <= 0:
         raise NumericsError(f"scales must be positive, got input {s_in} and output {s_out}")
-    weights = np.atleast_1d(np.asarray(weight_scales, np.float32)).astype(np.float64).tolist()  # exact widening
-    pairs = [quantize_multiplier(s_in * s_w / s_out, rounding) for s_w in weights]
-    return (np.array([p[0] for p in pairs], dtype=np.int32),
-            np.array([p[1] for p in pairs], dtype=np.int32))
+    weights = np.atleast_1d(np.asarray(weight_scales, np.float32)).astype(np.float64)  # exact widening
+    return quantize_multipliers(s_in * weights / s_out, rounding)
+
+
+def quantize_multipliers(reals: np.ndarray, rounding: Rounding = Rounding.TFLITE_DOUBLE
+                         ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`quantize_multiplier` of every element of a float64 array, as int32 (multipliers, shifts): a
+    per-channel layer has hundreds, and the pattern check, the codegen and calibration each ask for them. Every
+    step is exact in float64 (``frexp``; ``q * 2**31`` scales by a power of two; adding 0.5 to a number below
+    2**31 and flooring), so the values are the scalar function's."""
+    reals = np.asarray(reals, np.float64)
+    bad = ~np.isfinite(reals) | (reals < 0)
+    if bad.any():
+        split_q31(float(reals[bad][0]))  # raises NumericsError with the scalar's message
+    q, shift = np.frexp(reals)
+    q_fixed = np.floor(q * float(1 << 31) + 0.5).astype(np.int64)
+    carried = q_fixed == (1 << 31)
+    q_fixed = np.where(carried, q_fixed // 2, q_fixed)
+    shift = np.where(carried, shift + 1, shift).astype(np.int64)
+    flushed = (reals == 0.0) | (shift < -31)
+    q_fixed, shift = np.where(flushed, 0, q_fixed), np.where(flushed, 0, shift)
+    large = shift > 30
+    if large.any():
+        if rounding != Rounding.TFLITE_SINGLE:
+            quantize_multiplier(float(reals[large][0]), rounding)  # raises NumericsError with its message
+        q_fixed, shift = np.where(large, INT32_MAX, q_fixed), np.where(large, 30, shift)
+    return q_fixed.astype(np.int32), shift.astype(np.int32)
 
 
 def fully_connected_multiplier(input_scale, weight_scale, output_scale, rounding=Rounding.TFLITE_DOUBLE):

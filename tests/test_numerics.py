@@ -257,3 +257,24 @@ def test_softmax_refuses_differences_that_overflow_int32():
     assert softmax(row, 1 << 30, 24, -128).tolist() == [[127, -128]]  # 128 << 24 is -2**31: still an int32
     with pytest.raises(NumericsError, match="overflows int32"):
         softmax(row, 1 << 30, 24, -129)
+
+
+def test_vectorized_multipliers_are_the_scalar_function_element_by_element():
+    """quantize_multipliers (what conv_multipliers uses for every channel) against quantize_multiplier: random
+    reals across the whole range, the carry at q = 1 - 2**-33, zero, flushed tiny values and both roundings."""
+    from simulator.numerics import quantize_multipliers
+
+    rng = np.random.default_rng(3)
+    reals = np.concatenate([
+        np.exp2(rng.uniform(-40, 30, 5000)) * rng.uniform(0.5, 1.0, 5000),
+        [0.0, 2.0 ** -33, 2.0 ** -32, 2.0 ** -31.5, 1.0 - 2.0 ** -33, 0.5 - 2.0 ** -34, 1.0, 0.5, 2.0 ** 30 - 1]])
+    for rounding in (Rounding.TFLITE_DOUBLE, Rounding.TFLITE_SINGLE):
+        multipliers, shifts = quantize_multipliers(reals, rounding)
+        want = [quantize_multiplier(float(r), rounding) for r in reals]
+        assert multipliers.dtype == np.int32 and shifts.dtype == np.int32
+        assert list(zip(multipliers.tolist(), shifts.tolist())) == want
+    single = quantize_multipliers(np.array([1.0, 2.0 ** 31]), Rounding.TFLITE_SINGLE)
+    assert single[0].tolist() == [1 << 30, ref.INT32_MAX] and single[1].tolist() == [1, 30]
+    for bad in ([1.0, 2.0 ** 31], [0.5, -1.0], [np.nan], [np.inf]):
+        with pytest.raises(NumericsError):
+            quantize_multipliers(np.array(bad))
