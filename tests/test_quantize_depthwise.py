@@ -84,6 +84,41 @@ def test_a_reused_buffer_is_handed_out_again_only_once_every_view_of_it_is_gone(
         assert again.__array_interface__["data"][0] == address
         assert again.flags.c_contiguous and again.flags.writeable and again.shape == (size,)
         del other, again
-    assert buffers._free == []  # a finished calibration keeps nothing
+    assert buffers._free == [] and not buffers._returned  # a finished calibration keeps nothing
     outside = buffers.empty((2, size), np.float32)
     assert outside.base is None  # plain arrays outside a calibration
+
+
+def test_an_array_that_dies_while_the_pool_is_locked_does_not_deadlock(monkeypatch):
+    """A pooled array's finalizer runs wherever the garbage collector runs: here inside _take, on the thread that
+    holds the pool's lock (a cycle collected by an allocation there). It must only queue its buffer, which the
+    next request then reuses; taking the lock there hung calibration. The test runs on a thread of its own with
+    a lock of its own, so that the bug fails it instead of hanging the session."""
+    import threading
+
+    monkeypatch.setattr(buffers, "_lock", threading.Lock())
+    original = buffers._file_returned
+
+    def collect_inside_the_lock():
+        gc.collect()  # the finalizer runs now, the lock held by this thread
+        original()
+
+    monkeypatch.setattr(buffers, "_file_returned", collect_inside_the_lock)
+    size = buffers.POOLED_BYTES // 4
+    result = {}
+
+    def calibration():
+        with buffers.reuse():
+            first = buffers.empty((size,), np.float32)
+            address = first.__array_interface__["data"][0]
+            holder = [first]
+            holder.append(holder)  # a reference cycle: only the collector frees it
+            del first, holder
+            again = buffers.empty((size,), np.float32)
+            result["reused"] = again.__array_interface__["data"][0] == address  # queued, then filed and reused
+
+    thread = threading.Thread(target=calibration, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the pool deadlocked on its own finalizer"
+    assert result == {"reused": True}

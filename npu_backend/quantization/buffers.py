@@ -15,6 +15,7 @@ long as the last view of the buffer, and its finalizer returns the buffer then.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import math
 import threading
@@ -31,6 +32,7 @@ FREE_LIMIT = 3 << 30
 """Bytes of free buffers kept; past it the least recently freed go back to the system."""
 
 _free: list[np.ndarray] = []  # free buffers, least recently freed first
+_returned: collections.deque = collections.deque()  # buffers whose arrays died, not yet filed into _free
 _active = 0  # calibrations running (:func:`reuse`)
 _lock = threading.Lock()
 
@@ -49,6 +51,7 @@ def reuse():
             _active -= 1
             if not _active:
                 _free.clear()
+                _returned.clear()
 
 
 def _take(nbytes: int) -> np.ndarray | None:
@@ -56,6 +59,7 @@ def _take(nbytes: int) -> np.ndarray | None:
     tensors mostly shrink from layer to layer, so the first layers' buffers serve the later ones, but a chunk's
     temporary does not take a whole batch's buffer."""
     with _lock:
+        _file_returned()
         fits = [k for k, raw in enumerate(_free) if nbytes <= raw.nbytes <= SLACK * nbytes]
         if not fits:
             return None
@@ -63,13 +67,23 @@ def _take(nbytes: int) -> np.ndarray | None:
 
 
 def _give_back(raw: np.ndarray) -> None:
-    with _lock:
-        if not _active:
-            return
-        _free.append(raw)
-        total = sum(r.nbytes for r in _free)
-        while total > FREE_LIMIT:
-            total -= _free.pop(0).nbytes
+    """An array's finalizer: it runs wherever the garbage collector happens to run, possibly inside
+    :func:`_take` on this very thread with the lock held, so it only queues the buffer (a deque's append is
+    atomic) and takes no lock. Outside a calibration the buffer is simply let go."""
+    if _active:
+        _returned.append(raw)
+
+
+def _file_returned() -> None:
+    """Move the returned buffers to the free list, least recently freed first, keeping at most
+    :data:`FREE_LIMIT` bytes (with the lock held)."""
+    while _returned:
+        raw = _returned.popleft()
+        if _active:
+            _free.append(raw)
+    total = sum(r.nbytes for r in _free)
+    while total > FREE_LIMIT:
+        total -= _free.pop(0).nbytes
 
 
 def empty(shape, dtype=np.float32) -> np.ndarray:
