@@ -172,6 +172,17 @@ def test_int8_inputs_are_centred_chunk_by_chunk_as_they_are_summed(name, monkeyp
     assert got.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("shape", [(2, 7, 5, 16), (3, 11, 13, 24), (1, 1, 97, 3), (4, 9, 9, 2048), (1, 1, 1, 5)])
+def test_folded_channel_statistics_are_the_plain_reductions(shape):
+    """The per-channel min, max and total read the chunk as rows of several pixels (fewer, longer rows for numpy's
+    reduction): the same values as reducing [R, C] along R, at any row count (a prime one folds nothing)."""
+    sums = RNG.integers(-(1 << 20), 1 << 20, shape).astype(np.float32)
+    rows = sums.reshape(-1, shape[-1])
+    low, high, totals = integer_sums._channel_statistics(sums)
+    assert np.array_equal(low, rows.min(axis=0)) and np.array_equal(high, rows.max(axis=0))
+    assert totals.dtype == np.float64 and np.array_equal(totals, rows.astype(np.int64).sum(axis=0))
+
+
 def test_the_exact_bound_counts_the_largest_channel_and_the_bias():
     weight = np.array([[[[1, -2], [3, 0]]], [[[-4, 4], [4, -4]]]], np.int8)  # [O=2, I=1, 2, 2]: 6 and 16
     assert exact_bound(10, weight, 0, None) == 160
