@@ -279,3 +279,57 @@ def test_calibration_is_the_same_on_one_thread_and_many(config, monkeypatch):
     for a, b in zip(many.simulate(test), one.simulate(test)):
         assert a[0].tobytes() == b[0].tobytes()
     assert math.isfinite(one.report.output_sqnr_db)
+
+
+def test_minmax_ranges_from_extremes_equal_the_observers_and_summaries_come_from_the_int8_values(monkeypatch):
+    """With minmax, every tensor's range comes from its extremes alone (the model input, each layer's output
+    whatever computes it): the qparams the full observer chose before, and the record's summary is the exact
+    histogram of the int8 values the tensor quantizes to."""
+    import importlib
+
+    calibration = importlib.import_module("npu_backend.quantization.calibrate")  # the package's name is a function
+    samples = RNG.random((6, 8, 8, 1)).astype(np.float32)
+    observed = []
+    update_samples = TensorStats.update_samples
+    monkeypatch.setattr(TensorStats, "update_samples", lambda self, v: (observed.append(1), update_samples(self, v)))
+    fast = calibrate(float_cnn(), samples, QConfig())
+    only_output = len(observed)  # the model's output alone: its headroom is cross-validated on its samples
+    monkeypatch.setattr(calibration, "_finite_extremes", lambda values: None)  # every range through _choose
+    monkeypatch.setattr(calibration, "_output_extremes", lambda chunks: None)
+    full = calibrate(float_cnn(), samples, QConfig())
+    assert len(observed) - 2 * only_output >= 5  # the input and the layers' outputs observed in full
+    assert list(fast._plan.tensors.values()) == list(full._plan.tensors.values())
+    fast_entries = {t.name: t for t in fast.report.tensors}
+    full_entries = {t.name: t for t in full.report.tensors}
+    assert fast_entries.keys() == full_entries.keys() and len(fast_entries) > 5
+    for name, entry in fast_entries.items():
+        other = full_entries[name]
+        assert (entry.min, entry.max, entry.scale, entry.zero_point, entry.method) == (
+            other.min, other.max, other.scale, other.zero_point, other.method)
+        assert entry.histogram["count"] == other.histogram["count"]
+        # the summary's histogram is the int8 levels': each bin one level wide
+        assert entry.histogram["mean"] == pytest.approx(other.histogram["mean"], abs=entry.scale)
+
+
+def test_deferred_work_runs_beside_the_caller_in_order_and_hands_over_errors():
+    results = []
+
+    def task(k):
+        results.append(k)
+        if k == 3:
+            raise ValueError("three")
+        return k * k
+
+    with parallel.workers(2):
+        later = parallel.Deferred(limit=2)
+        futures = [later.submit(task, k) for k in range(6)]
+        later.close()
+    assert results == list(range(6))  # one thread: in submission order
+    assert [f.result() for f in futures if f is not futures[3]] == [0, 1, 4, 16, 25]
+    with pytest.raises(ValueError, match="three"):
+        futures[3].result()
+    with parallel.workers(1):  # inline on the caller, no thread
+        later = parallel.Deferred()
+        future = later.submit(threading.current_thread)
+        later.close()
+    assert future.result() is threading.current_thread()

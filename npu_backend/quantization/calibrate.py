@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,13 +30,13 @@ from simulator.tables import LOGISTIC_OUTPUT, TANH_OUTPUT
 from ..errors import NpuError
 from .config import FLOAT_MODEL_METHODS, QConfig
 from .layers import Layer, Output, function_outputs, resolve
-from .observers import (RangeRequest, TensorStats, activation_qparams, choose_range, extremes_range, int8_summary,
-                        quantize_weights)
+from .observers import (Batches, RangeRequest, TensorStats, activation_qparams, choose_range, extremes_range,
+                        int8_summary, quantize_weights)
 from .rewrite import TensorQ, WeightQ
 from .batched_float import ChannelTotals, HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
 from . import buffers, headroom, kernels, reconstruct, storage
-from .parallel import run_all
+from .parallel import Deferred, run_all
 from .steps import Centred, FloatLayers, NpuLayer, ReferencePass, centre_host, dequantize_host, quantize_host
 
 FIXED_OUTPUTS = {"sigmoid": LOGISTIC_OUTPUT, "tanh": TANH_OUTPUT, "softmax": SOFTMAX_OUTPUT}
@@ -113,6 +114,17 @@ class _Energy:
         if self.signal == 0.0:
             return -math.inf
         return 10.0 * math.log10(self.signal / self.noise)
+
+
+def _layer_sqnr(references: np.ndarray, model_value, values: np.ndarray | None, q: TensorQ | None) -> float:
+    """A layer's SQNR against the float model's ``references``: its int8 ``values`` with qparams ``q`` when
+    ``model_value`` is None, else the host's float outputs ``model_value(n)``."""
+    energy = _Energy()
+    if model_value is None:
+        energy.add_quantized(references, values, q)
+    else:
+        energy.add_samples(references, model_value)
+    return energy.db
 
 
 def _energies(reference: np.ndarray, value: np.ndarray) -> tuple[float, float]:
@@ -249,6 +261,24 @@ def _choose_from_extremes(ctx: Context, low: float, high: float, name: str, reco
     return TensorQ(float(scale), int(zp))
 
 
+def _output_extremes(chunks) -> tuple[float, float] | None:
+    """(min, max) of an observed layer's outputs, for :func:`_extremes_suffice`: from the integer sums' channel
+    extremes, or one pass over the outputs; None where a value is NaN or infinite (:func:`_choose` says so)."""
+    if isinstance(chunks, IntegerObservation):
+        return chunks.output_extremes()
+    return _finite_extremes(chunks.outputs())
+
+
+def _finite_extremes(values) -> tuple[float, float] | None:
+    """(min, max) of an array ``[N, ...]`` or of :class:`.observers.Batches`, None if any is not finite."""
+    parts = values.batches() if isinstance(values, Batches) else [values]
+    low, high = math.inf, -math.inf
+    for part in parts:
+        if np.asarray(part).size:
+            low, high = min(low, float(np.min(part))), max(high, float(np.max(part)))
+    return (low, high) if math.isfinite(low) and math.isfinite(high) else None
+
+
 def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: Plan, name: str,
             records: list) -> TensorQ:
     config = ctx.config
@@ -354,12 +384,21 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     layer_stats: dict = {}
     # Every tensor's values over the calibration set are one array [samples, *shape]: each layer runs once
     # for all samples (iterating such an array gives the samples in order, as the per-sample steps need).
+    later = Deferred()  # each layer's SQNR and output summary, read when the walk ends
     for k, param in enumerate(ctx.func.params):
         fvals[param] = np.stack([s[k] for s in samples])
         if ctx.has_q_point(param, plan):
-            if calibrating:
+            extremes = None
+            if calibrating and _extremes_suffice(ctx, None, plan):
+                extremes = _finite_extremes(fvals[param])
+            if extremes is not None:  # summarized from its int8 values, as a layer's output is
+                plan.tensors[param] = _choose_from_extremes(ctx, *extremes, param.name, records)
+            elif calibrating:
                 plan.tensors[param] = _choose(ctx, None, fvals[param], plan, param.name, records)
-            qvals[param] = quantize_host(fvals[param], plan.tensors[param])
+            q = plan.tensors[param]
+            qvals[param] = quantize_host(fvals[param], q)
+            if extremes is not None:
+                records[-1].stats = later.submit(int8_summary, qvals[param], q.scale, q.zero_point, *extremes)
         else:
             hvals[param] = fvals[param]
 
@@ -395,7 +434,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         fvals[layer.output] = references
         if ctx.quantized(layer, plan):
             _run_quantized(ctx, layer, plan, stats, qvals, value, centred, calibrating, records, float_accumulators,
-                           references)
+                           references, later)
             model_value = None
         else:
             inputs = [value(v) for v in layer.inputs]
@@ -406,12 +445,9 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                     plan.tensors[layer.output] = _choose(ctx, None, out, plan, layer.output.name, records)
                 qvals[layer.output] = quantize_host(out, plan.tensors[layer.output])
             model_value = out.__getitem__
-        energy = _Energy()
-        if references is not None and model_value is None:  # the int8 output, dequantized a block at a time
-            energy.add_quantized(references, qvals[layer.output], plan.tensors[layer.output])
-        elif references is not None:
-            energy.add_samples(references, model_value)
-        stats.sqnr_db = energy.db
+        # the int8 output (dequantized a block at a time) or the host's float output against the reference
+        stats.sqnr_db = _Energy().db if references is None else later.submit(
+            _layer_sqnr, references, model_value, qvals.get(layer.output), plan.tensors.get(layer.output))
         layer_stats[layer.index] = stats
         for v in list(layer.inputs):
             if ctx.last_use.get(v) == layer.index and v not in ctx.outputs:
@@ -419,6 +455,13 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
                     table.pop(v, None)
         if progress is not None:
             progress(layer.index + 1, len(ctx.layers))
+    later.close()
+    for stats in layer_stats.values():
+        if isinstance(stats.sqnr_db, Future):
+            stats.sqnr_db = stats.sqnr_db.result()
+    for record in records:
+        if isinstance(record.stats, Future):
+            record.stats = record.stats.result()
     outputs, floats = [], []
     for n in range(len(samples)):
         outs, refs = [], []
@@ -474,7 +517,7 @@ def _bias_shift(float_accumulators: FloatAccumulators, chunks) -> np.ndarray:
 
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, centred,
                    calibrating: bool, records: list, float_accumulators: FloatAccumulators | None,
-                   references: np.ndarray | None) -> None:
+                   references: np.ndarray | None, later: Deferred) -> None:
     sums = summarize = None
     if calibrating:
         sums, summarize = _calibrate_layer(ctx, layer, plan, stats, value, centred, records, float_accumulators,
@@ -499,7 +542,8 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
     out, overflows = result
     if summarize is not None:
         q = plan.tensors[layer.output]
-        summarize.stats = int8_summary(out, q.scale, q.zero_point, summarize.stats["min"], summarize.stats["max"])
+        summarize.stats = later.submit(int8_summary, out, q.scale, q.zero_point, summarize.stats["min"],
+                                       summarize.stats["max"])
     stats.overflows += overflows
     qvals[layer.output] = out
 
@@ -603,8 +647,9 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
             stats.overflow_unfixable = bool(peaks.max() > limit)
         stats.accumulator_peak = int(peaks.max())
         plan.weights[layer.index] = wq
-    if isinstance(chunks, IntegerObservation) and _extremes_suffice(ctx, layer, plan):
-        plan.tensors[layer.output] = _choose_from_extremes(ctx, *chunks.output_extremes(), layer.output.name, records)
+    extremes = _output_extremes(chunks) if _extremes_suffice(ctx, layer, plan) else None
+    if extremes is not None:
+        plan.tensors[layer.output] = _choose_from_extremes(ctx, *extremes, layer.output.name, records)
         summarize = records[-1]
     else:
         outputs = references if config.calibration in FLOAT_MODEL_METHODS else chunks.outputs()

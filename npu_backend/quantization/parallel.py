@@ -18,7 +18,7 @@ import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 
 def _cores() -> int:
@@ -105,3 +105,35 @@ def workers(count: int):
         yield
     finally:
         WORKERS = previous
+
+
+class Deferred:
+    """Work whose results the walk reads only when it ends (each layer's SQNR and output summary, for the
+    report), on a thread of its own. The walk's main thread spends part of every layer alone, building the
+    layer's NPU module in Python; deferred work fills that time on the other cores instead of adding to the
+    walk. At most ``limit`` tasks are pending at once (a task holds a layer's outputs until it has run), and
+    with one worker a task runs at once on the caller's thread. Each task computes what it would have computed
+    in place, so the results do not depend on when it runs."""
+
+    def __init__(self, limit: int = 2):
+        self._executor = (ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-quantize-deferred",
+                                             initializer=_mark_worker) if WORKERS > 1 else None)
+        self._slots = threading.BoundedSemaphore(limit)
+
+    def submit(self, task: Callable, *args) -> Future:
+        if self._executor is None:
+            future: Future = Future()
+            try:
+                future.set_result(task(*args))
+            except BaseException as error:  # noqa: BLE001 - raised where the result is read, as on the thread
+                future.set_exception(error)
+            return future
+        self._slots.acquire()
+        future = self._executor.submit(task, *args)
+        future.add_done_callback(lambda _: self._slots.release())
+        return future
+
+    def close(self) -> None:
+        """Wait for every task (their results stay in their futures)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
