@@ -379,10 +379,23 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
         if not isinstance(func, relax.Function) or (func.attrs is not None and "Codegen" in func.attrs):
             continue
         rewritten = convert_to_nhwc(func)
+        graph = None
         for make_rewrite in REWRITES:
-            var2val = relax.analysis.get_var2val(rewritten)
-            graph = _GraphFacts(infer_qparams(rewritten), {v: k for k, v in var2val.items()}, var2val)
-            rewritten = rewrite_call(*make_rewrite(graph), rewritten)
+            if graph is None:  # the facts of the function as it is now
+                var2val = relax.analysis.get_var2val(rewritten)
+                graph = _GraphFacts(infer_qparams(rewritten), {v: k for k, v in var2val.items()}, var2val)
+            pattern, rewriter = make_rewrite(graph)
+            changed = []
+
+            def tracked(expr, matches, rewriter=rewriter, changed=changed):
+                result = rewriter(expr, matches)
+                if not result.same_as(expr):
+                    changed.append(expr)
+                return result
+
+            result = rewrite_call(pattern, tracked, rewritten)
+            if changed:  # else the function and its facts stay: the next rewrite needs no new analysis
+                rewritten, graph = result, None
         rewritten = one_dequantize_per_use(rewritten)
         if not rewritten.same_as(func):
             rewritten = relax.analysis.remove_all_unused(_UniqueNames().visit_expr(rewritten))
