@@ -172,3 +172,35 @@ def test_depthwise_sums_of_integers_are_exact():
 def test_depthwise_is_for_one_input_channel_per_output():
     assert not kernels.depthwise_applies(2)
     assert kernels.depthwise_applies(1) == (kernels._NO_FMA is not None)
+
+
+def test_compiling_a_kernel_keeps_no_frame_of_its_caller():
+    """TVMScript's parser keeps the defining code's stack in reference cycles; a kernel compiled at first use must
+    not keep the caller's frames (a calibration layer's batch-sized arrays) alive until the cyclic collector
+    runs, nor hide a compilation error."""
+    import gc
+    import weakref
+
+    class Marker:
+        pass
+
+    def caller():
+        marker = Marker()  # a local of a frame on the stack that asks for the kernel
+        kernels._kernel("test_depthwise_1x2", lambda: kernels._depthwise_func(1, 2))
+        return weakref.ref(marker)
+
+    kernels._compiled.pop("test_depthwise_1x2", None)
+    gc.disable()
+    try:
+        ref = caller()
+        assert ref() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+        kernels._compiled.pop("test_depthwise_1x2", None)
+
+    def broken():
+        raise ValueError("no such kernel")
+
+    with pytest.raises(ValueError, match="no such kernel"):
+        kernels._kernel("test_broken", broken)
+    assert "test_broken" not in kernels._compiled

@@ -124,15 +124,35 @@ _NO_FMA = ["-fma"] if platform.machine().lower() in ("x86_64", "amd64") else Non
 def _kernel(name: str, make):
     with _lock:  # one compilation per kernel, whichever thread asks first
         if name not in _compiled:
-            import tvm
-            from tvm.target import codegen
+            # On a thread of its own: TVMScript's parser keeps inspect.stack() of the code that defines a function
+            # in reference cycles, which would hold every frame of the calibration that first asked for the kernel
+            # (a layer's batch-sized arrays among their locals) until the cyclic collector ran.
+            outcome: dict = {}
 
-            target = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
-            if _NO_FMA is not None:
-                target["mattr"] = _NO_FMA
-            module = tvm.IRModule({name: make().with_attr("global_symbol", name)})
-            _compiled[name] = tvm.compile(module, target=tvm.target.Target(target))[name]
+            def build() -> None:
+                try:
+                    outcome["kernel"] = _compile(name, make)
+                except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
+                    outcome["error"] = error
+
+            builder = threading.Thread(target=build, name="npu-kernel-build")
+            builder.start()
+            builder.join()
+            if "error" in outcome:
+                raise outcome["error"]
+            _compiled[name] = outcome["kernel"]
         return _compiled[name]
+
+
+def _compile(name: str, make):
+    import tvm
+    from tvm.target import codegen
+
+    target = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
+    if _NO_FMA is not None:
+        target["mattr"] = _NO_FMA
+    module = tvm.IRModule({name: make().with_attr("global_symbol", name)})
+    return tvm.compile(module, target=tvm.target.Target(target))[name]
 
 
 def _byte_counts_func():
