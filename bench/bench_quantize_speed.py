@@ -24,7 +24,7 @@ twice), on the main thread and on the others, how many layers calibration read f
 commands of the streams it lowered for the others (by what they do: a DMA through a DRAM scratch buffer is a spill
 or a layout change), and the walk's wall time per layer kind.
 
-    python bench/bench_quantize_speed.py [--samples 100] [--rounds 2] [--threads N] [--skip-ort] [--no-phases]
+    python bench/bench_quantize_speed.py [--samples 100] [--rounds 3] [--threads N] [--skip-ort] [--no-phases]
 """
 
 from __future__ import annotations
@@ -273,7 +273,7 @@ def command_kind(stream, command) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=100)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None, help="calibration threads (default: every core)")
     parser.add_argument("--skip-ort", action="store_true", help="time ours only")
     parser.add_argument("--no-phases", action="store_true", help="no instrumented run")
