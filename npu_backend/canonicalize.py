@@ -397,7 +397,6 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
             if changed:  # else the function and its facts stay: the next rewrite needs no new analysis
                 rewritten, graph = result, None
         rewritten = one_dequantize_per_use(rewritten)
-        if not rewritten.same_as(func):
-            rewritten = relax.analysis.remove_all_unused(_UniqueNames().visit_expr(rewritten))
+        rewritten = relax.analysis.remove_all_unused(_UniqueNames().visit_expr(rewritten))
         out[gvar] = rewritten
     return out

@@ -263,3 +263,18 @@ def test_fixed_point_chain_whose_multipliers_no_scales_produce_stays_on_host():
     report = npu_backend.partition_report(npu_backend.partition_for_npu(module))
     (conv,) = [o for o in report.ops if o.op == "relax.nn.conv2d"]
     assert conv.target == "host" and "multipliers are not those of any float32 weight scales" in conv.reason
+
+
+def test_a_function_no_rewrite_changes_still_loses_its_dead_bindings():
+    """The dead-binding clean-up runs whether or not a rewrite matched: the partition report lists only the
+    operators that run."""
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((1, 4, 4, 8), "float32"))
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            bb.emit(relax.op.multiply(x, x), name_hint="dead")
+            out = bb.emit_output(relax.op.nn.relu(x))
+        bb.emit_func_output(out)
+    func = canonicalize(bb.get())["main"]
+    ops = [b.value.op.name for block in func.body.blocks for b in block.bindings]
+    assert ops == ["relax.nn.relu"]
