@@ -333,3 +333,19 @@ def test_deferred_work_runs_beside_the_caller_in_order_and_hands_over_errors():
         future = later.submit(threading.current_thread)
         later.close()
     assert future.result() is threading.current_thread()
+
+
+def test_extremes_of_batches_see_a_nan_in_any_batch():
+    """min/max skip a NaN that numpy's own min or max returns for a whole batch; the range must not come from the
+    other batches then: None, so that the full observer says what is wrong."""
+    import importlib
+
+    calibration = importlib.import_module("npu_backend.quantization.calibrate")
+
+    def batches(*parts):
+        return Batches(lambda: iter([np.array(p, np.float32) for p in parts]))
+
+    assert calibration._finite_extremes(batches([[1.0, 2.0]], [[-3.0, 5.0]])) == (-3.0, 5.0)
+    for parts in (([[1.0, 2.0]], [[np.nan, 5.0]]), ([[np.nan, 2.0]], [[1.0, 5.0]]), ([[1.0, np.inf]],)):
+        assert calibration._finite_extremes(batches(*parts)) is None
+    assert calibration._finite_extremes(np.array([[0.5, np.nan]], np.float32)) is None

@@ -60,6 +60,8 @@ class WeightedPlan:
         float32 copy of the batch). With ``then``: also ``[then(sums of a chunk) for each chunk]`` in order, each
         called on the thread that formed the chunk, while its values are in cache."""
         x, w = self._operands(x, weight)
+        if zero_point and x.dtype != np.int8:
+            raise ValueError("a zero point is subtracted from int8 inputs only")
         out = buffers.empty(self._out_shape(x, w), np.float32)
 
         def chunk(part: slice):
@@ -149,7 +151,8 @@ class WeightedPlan:
             padded = centred_input(nhwc, zero_point, conv.padding, np.float32, empty=buffers.empty)  # reused memory
         else:
             padded = nhwc  # a float32 pointwise layer's input as it is: nothing to centre, pad or gather
-        if self.opcode == Opcode.DEPTHWISE_CONV2D and kernels.depthwise_applies(ofm.channels // conv.ifm.channels):
+        if self.opcode == Opcode.DEPTHWISE_CONV2D and kernels.depthwise_applies(conv.ifm.channels,
+                                                                                   ofm.channels // conv.ifm.channels):
             kernels.depthwise(padded, w, conv, out)  # the einsum's sums, bit for bit, compiled
         else:
             apply(padded, operands(w, conv, np.float32), conv, out)

@@ -69,9 +69,17 @@ def _take(nbytes: int) -> np.ndarray | None:
 def _give_back(raw: np.ndarray) -> None:
     """An array's finalizer: it runs wherever the garbage collector happens to run, possibly inside
     :func:`_take` on this very thread with the lock held, so it only queues the buffer (a deque's append is
-    atomic) and takes no lock. Outside a calibration the buffer is simply let go."""
-    if _active:
-        _returned.append(raw)
+    atomic) and waits on no lock: it files the queue only when the lock is free (else the holder files it), so
+    the free list is trimmed to :data:`FREE_LIMIT` as buffers come back. Outside a calibration the buffer is
+    simply let go."""
+    if not _active:
+        return
+    _returned.append(raw)
+    if _lock.acquire(blocking=False):
+        try:
+            _file_returned()
+        finally:
+            _lock.release()
 
 
 def _file_returned() -> None:

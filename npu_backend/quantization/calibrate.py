@@ -275,7 +275,10 @@ def _finite_extremes(values) -> tuple[float, float] | None:
     low, high = math.inf, -math.inf
     for part in parts:
         if np.asarray(part).size:
-            low, high = min(low, float(np.min(part))), max(high, float(np.max(part)))
+            part_low, part_high = float(np.min(part)), float(np.max(part))
+            if not (math.isfinite(part_low) and math.isfinite(part_high)):  # NaN is in neither min nor max
+                return None
+            low, high = min(low, part_low), max(high, part_high)
     return (low, high) if math.isfinite(low) and math.isfinite(high) else None
 
 
@@ -376,6 +379,15 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     Returns (the quantized model's outputs per sample, the float model's outputs per sample (empty lists without
     the reference), per-layer statistics by index, tensor records).
     """
+    later = Deferred()  # each layer's SQNR and output summary, read when the walk ends
+    try:
+        return _walk(ctx, plan, samples, calibrating, progress, reference, later)
+    finally:
+        later.close(cancel=True)  # _walk waited for its work; after an error, what has not started is dropped
+
+
+def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress, reference: bool,
+          later: Deferred):
     reference = reference or (calibrating and ctx.config.float_reference)
     fvals: dict = {}
     qvals: dict = {}
@@ -384,7 +396,6 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     layer_stats: dict = {}
     # Every tensor's values over the calibration set are one array [samples, *shape]: each layer runs once
     # for all samples (iterating such an array gives the samples in order, as the per-sample steps need).
-    later = Deferred()  # each layer's SQNR and output summary, read when the walk ends
     for k, param in enumerate(ctx.func.params):
         fvals[param] = np.stack([s[k] for s in samples])
         if ctx.has_q_point(param, plan):

@@ -98,10 +98,12 @@ def energies(reference: np.ndarray, values: np.ndarray, scale: float, zero_point
     return float(signal), float(noise)
 
 
-def depthwise_applies(multiplier: int) -> bool:
-    """Whether :func:`depthwise` computes a depthwise convolution with this channel multiplier (one: the kernel
-    reads its input channels as contiguous vectors) on this machine (x86-64: see the module docstring)."""
-    return multiplier == 1 and _NO_FMA is not None
+def depthwise_applies(channels: int, multiplier: int) -> bool:
+    """Whether :func:`depthwise` computes a depthwise convolution of this many input channels with this channel
+    multiplier on this machine: multiplier one (the kernel reads its input channels as contiguous vectors), two
+    channels or more (with one, numpy's ``einsum`` adds the taps in another order), x86-64 (see the module
+    docstring)."""
+    return multiplier == 1 and channels >= 2 and _NO_FMA is not None
 
 
 def depthwise(padded: np.ndarray, weights: np.ndarray, conv, out: np.ndarray) -> None:
@@ -117,8 +119,9 @@ def depthwise(padded: np.ndarray, weights: np.ndarray, conv, out: np.ndarray) ->
         *(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays), *conv.stride, *conv.dilation, 0.0)
 
 
-_NO_FMA = ["-fma"] if platform.machine().lower() in ("x86_64", "amd64") else None
-"""The target attribute that keeps LLVM from fusing a multiply and an add (x86's; None where none is known)."""
+_NO_FMA = ["-fma", "-fma4"] if platform.machine().lower() in ("x86_64", "amd64") else None
+"""The target attributes that keep LLVM from fusing a multiply and an add (x86's FMA3 and AMD's FMA4; None where
+none is known)."""
 
 
 def _kernel(name: str, make):

@@ -133,7 +133,7 @@ class Deferred:
         future.add_done_callback(lambda _: self._slots.release())
         return future
 
-    def close(self) -> None:
-        """Wait for every task (their results stay in their futures)."""
+    def close(self, cancel: bool = False) -> None:
+        """Wait for every task (their results stay in their futures); ``cancel``: drop those not started."""
         if self._executor is not None:
-            self._executor.shutdown(wait=True)
+            self._executor.shutdown(wait=True, cancel_futures=cancel)
