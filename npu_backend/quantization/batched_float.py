@@ -92,7 +92,7 @@ class WeightedPlan:
             rows = acc[part]
             if b is not None:
                 np.add(rows, b, out=rows)  # what finish_into adds, before its clamp
-            totals = np.sum(rows, axis=others, dtype=np.float64)
+            totals = np.sum(rows, axis=others, dtype=np.float64) if self.channels_first else channel_totals(rows)
             if layer.clamp is not None:
                 clamp_into(layer, rows, rows)
             return totals
@@ -172,6 +172,30 @@ class ChannelTotals:
     @property
     def totals(self) -> np.ndarray:
         return np.sum(self.parts, axis=0)
+
+
+FOLD_WIDTH = 2048
+"""Values per row that a per-channel reduction reads (:func:`folded`)."""
+
+
+def folded(values: np.ndarray) -> tuple[np.ndarray, int]:
+    """Channels-last ``values`` as rows of ``copies`` whole pixels, about :data:`FOLD_WIDTH` values each, and
+    ``copies``: numpy reduces ``[R, C]`` along its first axis one row of ``C`` values at a time, which for
+    MobileNetV2's 16 to 32 channels is 7 to 13 times slower than over rows of 2048 (whose per-channel results are
+    then reduced once more over the ``copies``)."""
+    channels = values.shape[-1]
+    rows = values.reshape(-1, channels)
+    copies = max(1, FOLD_WIDTH // channels)
+    while len(rows) % copies:
+        copies -= 1
+    return rows.reshape(len(rows) // copies, copies * channels), copies
+
+
+def channel_totals(values: np.ndarray) -> np.ndarray:
+    """Per channel (the last axis), the float64 total of ``values``, over :func:`folded` rows: a fixed order
+    (each of the ``copies`` columns down the rows, then the copies), whatever the thread count."""
+    rows, copies = folded(values)
+    return np.sum(rows, axis=0, dtype=np.float64).reshape(copies, values.shape[-1]).sum(axis=0)
 
 
 def plan_weighted(layer: Layer) -> WeightedPlan | None:

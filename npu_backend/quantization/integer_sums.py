@@ -31,7 +31,7 @@ from simulator.numerics import Float64Requantizer
 from simulator.macs import FLOAT32_EXACT
 
 from . import buffers, kernels
-from .batched_float import WeightedPlan, chunks, clamp_into, finished_batches
+from .batched_float import WeightedPlan, channel_totals, chunks, clamp_into, finished_batches, folded
 from .layers import Layer
 from .observers import Batches
 from .parallel import run_all
@@ -156,38 +156,19 @@ class IntegerSums:
         return out, sum(run_all(chunk, self._chunks))
 
 
-FOLD_WIDTH = 2048
-"""Values per row that a per-channel reduction reads (:func:`_folded`)."""
-
-
 def _channel_statistics(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per channel (the last axis): min, max and float64 total of a chunk of sums, read while it is in cache. The
-    totals are exact (integers below 2**53), so the order :func:`_folded` sums them in changes nothing."""
-    rows, copies = _folded(sums)
-    channels = sums.shape[-1]
-    totals = np.sum(rows, axis=0, dtype=np.float64).reshape(copies, channels).sum(axis=0)
-    return *_channel_extremes(sums), totals
+    totals are exact (integers below 2**53), so the order :func:`.batched_float.channel_totals` takes changes
+    nothing."""
+    return *_channel_extremes(sums), channel_totals(sums)
 
 
 def _channel_extremes(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per channel (the last axis): min and max of a chunk of sums."""
-    rows, copies = _folded(sums)
+    rows, copies = folded(sums)
     channels = sums.shape[-1]
     return (np.min(rows, axis=0).reshape(copies, channels).min(axis=0),
             np.max(rows, axis=0).reshape(copies, channels).max(axis=0))
-
-
-def _folded(sums: np.ndarray) -> tuple[np.ndarray, int]:
-    """The chunk as rows of ``copies`` whole pixels, about :data:`FOLD_WIDTH` values each, and ``copies``: numpy
-    reduces ``[R, C]`` along its first axis one row of ``C`` values at a time, which for MobileNetV2's 16 to 32
-    channels is 7 to 13 times slower than over rows of 2048 (whose per-channel results are then reduced once
-    more over the ``copies``)."""
-    channels = sums.shape[-1]
-    rows = sums.reshape(-1, channels)
-    copies = max(1, FOLD_WIDTH // channels)
-    while len(rows) % copies:
-        copies -= 1
-    return rows.reshape(len(rows) // copies, copies * channels), copies
 
 
 class IntegerObservation:
