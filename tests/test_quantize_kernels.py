@@ -165,7 +165,8 @@ def test_depthwise_sums_of_integers_are_exact():
     want = np.zeros(out.shape, np.int64)
     for ky in range(3):
         for kx in range(3):
-            want += wide[:, ky:ky + 2 * (conv.ofm.height - 1) + 1:2, kx:kx + 2 * (conv.ofm.width - 1) + 1:2] * w[:, ky, kx]
+            window = wide[:, ky:ky + 2 * (conv.ofm.height - 1) + 1:2, kx:kx + 2 * (conv.ofm.width - 1) + 1:2]
+            want += window * w[:, ky, kx]
     np.testing.assert_array_equal(out.astype(np.int64), want)
 
 

@@ -14,17 +14,13 @@ from .batched_float import chunks
 from .parallel import run_all
 
 
-def to_channels_last(x: np.ndarray, out: np.ndarray, offset: float | None = None) -> None:
-    """``out[n, 0, h, w, c] = x[n, 0, c, h, w] - offset`` (``offset``: None subtracts nothing) for a batch
-    ``[N, 1, C, H, W]``, converted to ``out``'s type on the way."""
+def to_channels_last(x: np.ndarray, out: np.ndarray) -> None:
+    """``out[n, 0, h, w, c] = x[n, 0, c, h, w]`` for a batch ``[N, 1, C, H, W]``, converted to ``out``'s type on
+    the way."""
     source = np.moveaxis(x, 2, -1)
-    value = None if offset is None else np.array(offset, out.dtype)
 
     def part(rows: slice) -> None:
-        if value is None:
-            np.copyto(out[rows], source[rows], casting="unsafe")
-        else:
-            np.subtract(source[rows], value, out=out[rows], dtype=out.dtype)
+        np.copyto(out[rows], source[rows], casting="unsafe")
 
     run_all(part, chunks(len(x), x[0].size))
 
