@@ -62,6 +62,8 @@ class WeightedPlan:
         x, w = self._operands(x, weight)
         if zero_point and x.dtype != np.int8:
             raise ValueError("a zero point is subtracted from int8 inputs only")
+        if x.dtype == np.int8 and self.channels_first:
+            raise ValueError("int8 inputs are summed channels last")
         out = buffers.empty(self._out_shape(x, w), np.float32)
 
         def chunk(part: slice):
@@ -129,8 +131,6 @@ class WeightedPlan:
             np.matmul(rows, w, out=dest.reshape(-1, w.shape[-1]))
             return
         conv = self.conv
-        if centring and self.channels_first:
-            raise ValueError("int8 inputs are summed channels last")
         if (self.channels_first and self.opcode == Opcode.CONV2D and conv.kernel == (1, 1)
                 and conv.stride == (1, 1) and conv.padding == (0, 0, 0, 0)):
             # Pointwise in NCHW: W [OC, IC] @ x [IC, H*W] per sample, no transposes.

@@ -456,7 +456,7 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
                     plan.tensors[layer.output] = _choose(ctx, None, out, plan, layer.output.name, records)
                 qvals[layer.output] = quantize_host(out, plan.tensors[layer.output])
             model_value = out.__getitem__
-        # the int8 output (dequantized a block at a time) or the host's float output against the reference
+        # the int8 output (dequantized as the host does) or the host's float output against the reference
         stats.sqnr_db = _Energy().db if references is None else later.submit(
             _layer_sqnr, references, model_value, qvals.get(layer.output), plan.tensors.get(layer.output))
         layer_stats[layer.index] = stats

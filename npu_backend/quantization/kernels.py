@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import platform
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -53,12 +54,8 @@ _compiled: dict = {}
 def byte_counts(values: np.ndarray) -> np.ndarray:
     """How many times each byte value 0..255 occurs in ``values`` (any 1-byte array, read as unsigned): int64
     ``[256]``, as ``np.bincount(values.view(np.uint8), minlength=256)``."""
-    import tvm_ffi
-
-    flat = np.ascontiguousarray(values).reshape(-1).view(np.uint8)
     counts = np.empty((WAYS, 256), np.int64)
-    _kernel("byte_counts", _byte_counts_func)(tvm_ffi.from_dlpack(flat, require_alignment=0),
-                                               tvm_ffi.from_dlpack(counts, require_alignment=0))
+    _run("byte_counts", _byte_counts_func, (np.ascontiguousarray(values).reshape(-1).view(np.uint8), counts))
     return counts.sum(axis=0)
 
 
@@ -71,8 +68,6 @@ def requantize(sums: np.ndarray, requantizer, out: np.ndarray) -> None:
     """``requantizer.apply(sums, out)`` (:class:`simulator.numerics.Float64Requantizer`, bias folded into its
     constants) for float32 ``sums [R, C]`` holding integers the caller checked against ``requantizer.limits``,
     into int8 ``out [R, C]``; both contiguous, ``C`` a multiple of :data:`LANES`."""
-    import tvm_ffi
-
     channels = sums.shape[-1]
     per_channel = [np.broadcast_to(np.asarray(a, np.float64), (channels,)).copy()  # DLPack takes no read-only view
                    for a in (requantizer.scale, requantizer.constant,
@@ -80,20 +75,16 @@ def requantize(sums: np.ndarray, requantizer, out: np.ndarray) -> None:
     bounds = np.array([requantizer.low, requantizer.high], np.float64)
     shape = (channels // LANES, LANES)
     arrays = (sums.reshape(-1, *shape), *(a.reshape(shape) for a in per_channel), bounds, out.reshape(-1, *shape))
-    _kernel("requantize", _requantize_func)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays),
-                                            int(requantizer.zero_point))
+    _run("requantize", _requantize_func, arrays, int(requantizer.zero_point))
 
 
 def energies(reference: np.ndarray, values: np.ndarray, scale: float, zero_point: int) -> tuple[float, float]:
     """(signal, noise): the float64 sums of ``reference**2`` and of ``(reference - dequantized)**2`` over a
     sample, ``dequantized`` the int8 ``values`` as the host dequantizes them (float32 ``(q - zp) * scale``);
     ``reference`` float32, both contiguous and of one size."""
-    import tvm_ffi
-
     sums = np.empty((2, LANES))
     arrays = (reference.reshape(-1), values.reshape(-1).view(np.int8), sums)
-    _kernel("energies", _energies_func)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays),
-                                        float(np.float32(scale)), float(np.float32(zero_point)))
+    _run("energies", _energies_func, arrays, float(np.float32(scale)), float(np.float32(zero_point)))
     signal, noise = sums.sum(axis=1)
     return float(signal), float(noise)
 
@@ -109,14 +100,11 @@ def depthwise_applies(channels: int, multiplier: int) -> bool:
 def depthwise(padded: np.ndarray, weights: np.ndarray, conv, out: np.ndarray) -> None:
     """:func:`simulator.macs.depthwise_apply` of ``padded [N, Hp, Wp, C]`` (centred and padded, float32) by
     ``weights [C, KH, KW]`` into ``out [N, OH, OW, C]``, bit for bit; channel multiplier 1, ``out`` contiguous."""
-    import tvm_ffi
-
     channels, kh, kw = weights.shape
     taps = np.ascontiguousarray(weights.reshape(channels, kh * kw).T, np.float32)
     padded = padded.reshape(-1, *padded.shape[-3:])
     arrays = (padded, taps, out.reshape(-1, *out.shape[-3:]))
-    _kernel(f"depthwise_{kh}x{kw}", lambda: _depthwise_func(kh, kw))(
-        *(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays), *conv.stride, *conv.dilation, 0.0)
+    _run(f"depthwise_{kh}x{kw}", lambda: _depthwise_func(kh, kw), arrays, *conv.stride, *conv.dilation, 0.0)
 
 
 _NO_FMA = ["-fma", "-fma4"] if platform.machine().lower() in ("x86_64", "amd64") else None
@@ -124,26 +112,24 @@ _NO_FMA = ["-fma", "-fma4"] if platform.machine().lower() in ("x86_64", "amd64")
 none is known)."""
 
 
+def _run(name: str, make, arrays, *scalars) -> None:
+    """Call the kernel ``name`` (compiled from ``make()`` at first use) on numpy ``arrays``, then ``scalars``.
+    The arrays are passed without their alignment checked: the kernels declare element alignment only, and
+    numpy's views are not 64-byte aligned."""
+    import tvm_ffi
+
+    _kernel(name, make)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays), *scalars)
+
+
 def _kernel(name: str, make):
     with _lock:  # one compilation per kernel, whichever thread asks first
         if name not in _compiled:
             # On a thread of its own: TVMScript's parser keeps inspect.stack() of the code that defines a function
             # in reference cycles, which would hold every frame of the calibration that first asked for the kernel
-            # (a layer's batch-sized arrays among their locals) until the cyclic collector ran.
-            outcome: dict = {}
-
-            def build() -> None:
-                try:
-                    outcome["kernel"] = _compile(name, make)
-                except BaseException as error:  # noqa: BLE001 - raised on the caller's thread below
-                    outcome["error"] = error
-
-            builder = threading.Thread(target=build, name="npu-kernel-build")
-            builder.start()
-            builder.join()
-            if "error" in outcome:
-                raise outcome["error"]
-            _compiled[name] = outcome["kernel"]
+            # (a layer's batch-sized arrays among their locals) until the cyclic collector ran. An error is
+            # raised here, on the caller's thread.
+            with ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-kernel-build") as builder:
+                _compiled[name] = builder.submit(_compile, name, make).result()
         return _compiled[name]
 
 
