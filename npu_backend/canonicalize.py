@@ -44,12 +44,12 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .layout import convert_to_nhwc
 from .patterns.builders import integer_accumulator
-from .relax_exprs import is_call
+from .relax_exprs import constant_value, is_call
 from .qparams import TensorQParams, infer_qparams, per_tensor_qparams
 
 
 def _const_array(expr) -> np.ndarray | None:
-    return expr.value.numpy() if isinstance(expr, Constant) else None
+    return constant_value(expr) if isinstance(expr, Constant) else None
 
 
 def _integer_conv_pattern():

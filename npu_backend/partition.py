@@ -18,7 +18,7 @@ from .codegen.lower import CONFIG_ATTR
 from .errors import InternalError, NpuError
 from .ops import composite_def
 from .params import OPERAND_ROLES, OPERANDS_ATTR, to_attrs, to_attrs_value
-from .patterns import PREFIX, PartitionContext, registered_patterns
+from .patterns import PREFIX, PartitionContext, patterns_for
 from .patterns.table import ACTIVE_CONTEXT, extract_params
 from .qparam_checks import check_qparams
 from .qparams import TensorQParams, infer_qparams
@@ -255,7 +255,7 @@ def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESE
                                tensor_qparams={v.name: qp for v, qp in infer_qparams(original["main"]).items()})
     token = ACTIVE_CONTEXT.set(context)
     try:
-        fused = relax.transform.FuseOpsByPattern(registered_patterns(), bind_constants=True,
+        fused = relax.transform.FuseOpsByPattern(patterns_for(original), bind_constants=True,
                                                  annotate_codegen=False)(original)
     finally:
         ACTIVE_CONTEXT.reset(token)

@@ -15,7 +15,7 @@ from tvm import relax
 from tvm.ir.expr import Constant
 
 from .errors import QParamError
-from .relax_exprs import is_call, static_shape
+from .relax_exprs import constant_value, is_call, static_shape
 
 INTEGER_RANGES = {name: (int(np.iinfo(name).min), int(np.iinfo(name).max))
                   for name in ("int8", "uint8", "int16", "uint16", "int32", "uint32")}
@@ -33,7 +33,7 @@ def _check_call(var: relax.Var, call: relax.Call) -> None:
     scale, zero_point = call.args[1], call.args[2]
     shape = static_shape(data)
     axis = int(call.attrs.axis)
-    sizes = {label: np.size(arg.value.numpy()) if isinstance(arg, Constant) else 1
+    sizes = {label: np.size(constant_value(arg)) if isinstance(arg, Constant) else 1
              for label, arg in (("scale", scale), ("zero point", zero_point))}
     if shape is not None and max(sizes.values()) > 1:
         if not -len(shape) <= axis < len(shape):
@@ -43,7 +43,7 @@ def _check_call(var: relax.Var, call: relax.Call) -> None:
             if size not in (1, extent):
                 raise QParamError(f"{where}: {size} {label}s for axis {axis} of extent {extent}")
     if isinstance(scale, Constant):
-        values = np.asarray(scale.value.numpy(), dtype=np.float64).reshape(-1)
+        values = np.asarray(constant_value(scale), dtype=np.float64).reshape(-1)
         bad = np.flatnonzero(~(np.isfinite(values) & (values > 0)))
         if bad.size:
             at = f"[{bad[0]}]" if values.size > 1 else ""
@@ -51,7 +51,7 @@ def _check_call(var: relax.Var, call: relax.Call) -> None:
     integer = str(call.attrs.out_dtype) if quantize else str(getattr(data.ty, "dtype", ""))
     if isinstance(zero_point, Constant) and integer in INTEGER_RANGES:
         low, high = INTEGER_RANGES[integer]
-        values = np.asarray(zero_point.value.numpy(), dtype=np.int64).reshape(-1)
+        values = np.asarray(constant_value(zero_point), dtype=np.int64).reshape(-1)
         bad = np.flatnonzero((values < low) | (values > high))
         if bad.size:
             at = f"[{bad[0]}]" if values.size > 1 else ""

@@ -16,6 +16,7 @@ import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 
+from .relax_exprs import constant_value
 from .relax_ops import QPARAM_TRANSPARENT_OPS
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ def per_tensor_qparams(call) -> TensorQParams | None:
     scale, zero_point = call.args[1], call.args[2]
     if not (isinstance(scale, Constant) and isinstance(zero_point, Constant)):
         return None
-    s, z = scale.value.numpy(), zero_point.value.numpy()
+    s, z = constant_value(scale), constant_value(zero_point)
     if s.size != 1 or z.size != 1:
         return None
     return TensorQParams(float(np.float32(s.reshape(-1)[0])), int(z.reshape(-1)[0]))

@@ -701,3 +701,61 @@ def test_other_broadcasts_stay_on_the_host():
     (mul,) = [o for o in npu_backend.partition_report(mod).host_ops if o.op == "relax.multiply"]
     assert mul.reason == ("npu.multiply: broadcasting multiply ([1, 6, 5, 8] and [1, 6, 1, 8]) is supported only "
                           "of a per-channel vector [1, ..., 1, C] over the other operand")
+
+
+# -- the pre-filter: only patterns whose operators occur in the module are handed to FuseOpsByPattern --------
+
+def test_required_ops_of_hand_built_patterns():
+    from tvm.relax.dpl.pattern import is_const, is_op, is_tuple_get_item, wildcard
+
+    from npu_backend.patterns import required_ops
+
+    x = wildcard()
+    add = is_op("relax.add")(x, wildcard())
+    assert required_ops(is_op("relax.quantize")(add, is_const(), is_const())) == {"relax.quantize", "relax.add"}
+    relu, clip = is_op("relax.nn.relu")(x), is_op("relax.clip")(x, wildcard(), wildcard())
+    assert required_ops(relu | clip) == frozenset()  # either may be absent
+    either = is_op("relax.quantize")(relu, is_const(), is_const()) | is_op("relax.quantize")(clip, is_const(),
+                                                                                              is_const())
+    assert required_ops(either) == {"relax.quantize"}  # what both sides need
+    assert required_ops(relu & add) == {"relax.nn.relu", "relax.add"}
+    assert required_ops(add.has_dtype("int8").has_attr({"foo": 1})) == {"relax.add"}
+    assert required_ops(is_tuple_get_item(is_op("relax.split")(x), 0)) == {"relax.split"}
+    assert required_ops(x) == required_ops(is_const()) == frozenset()
+    # an operator given as an alternation is not required: either one may be the call
+    assert required_ops((is_op("relax.add") | is_op("relax.subtract"))(x, x)) == frozenset()
+
+
+def test_patterns_for_keeps_priority_and_drops_patterns_whose_operators_are_absent():
+    from npu_backend.canonicalize import canonicalize
+    from npu_backend.patterns import patterns_for, required_ops
+
+    mod = canonicalize(ConvIdiom(op="conv2d", clip=(5, 127)).module())
+    kept = patterns_for(mod)
+    present = set()
+    relax.analysis.post_order_visit(mod["main"], lambda e: present.add(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    expected = [e for e in registered_patterns() if required_ops(e.pattern) <= present]
+    assert [(e.name, str(e.pattern)) for e in kept] == [(e.name, str(e.pattern)) for e in expected]
+    names = [e.name for e in kept]
+    assert names[0] == "npu.conv2d" and "npu.requantize" in names  # the fused clip first; QDQ idioms stay
+    assert not {"npu.softmax", "npu.mean", "npu.concat", "npu.multiply", "npu.max_pool2d"} & set(names)
+    assert len(kept) < len(registered_patterns())
+
+
+@pytest.mark.parametrize("fixture", ["tflite/mobilenet_v2_035_96.tflite", "tflite/concat_branches.tflite",
+                                     "tflite/add_two_inputs.tflite"])
+def test_fusion_with_the_pre_filtered_table_equals_fusion_with_the_whole_table(fixture):
+    from pathlib import Path
+
+    from npu_backend.canonicalize import canonicalize
+    from npu_backend.patterns import patterns_for
+
+    path = Path(__file__).parent / "fixtures" / fixture
+    mod = relax.transform.ConvertToDataflow()(canonicalize(npu_backend.load_model(path)))
+
+    def fuse(patterns):
+        return relax.transform.FuseOpsByPattern(patterns, bind_constants=True, annotate_codegen=False)(mod)
+
+    assert len(patterns_for(mod)) < len(registered_patterns())
+    tvm.ir.assert_structural_equal(fuse(patterns_for(mod)), fuse(registered_patterns()))

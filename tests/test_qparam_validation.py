@@ -86,3 +86,20 @@ def test_per_axis_scales_must_match_their_axis():
 def test_the_quantization_axis_must_exist():
     with pytest.raises(QParamError, match="quantization axis 7 is out of range for rank 4"):
         npu_backend.partition_for_npu(_spliced(_dequantized_weights([0.1] * 4, 3), [0.1] * 4, 7))
+
+
+def test_constant_value_reads_each_small_constant_once_and_read_only():
+    from npu_backend.relax_exprs import SMALL_CONSTANT, constant_value
+
+    x = relax.Var("x", relax.TensorType((1, 4), "float32"))
+    call = relax.op.quantize(x, relax.const(np.float32(0.25)), relax.const(np.int32(-3)), axis=-1,
+                             out_dtype="int8")
+    first, again = constant_value(call.args[1]), constant_value(call.args[1])  # two wrappers of one constant
+    assert first is again and first == np.float32(0.25) and constant_value(call.args[2]) == -3
+    with pytest.raises(ValueError):
+        first[...] = 1.0
+    big = relax.const(np.arange(SMALL_CONSTANT + 1, dtype=np.float32))
+    a, b = constant_value(big), constant_value(big)
+    assert a is not b and np.array_equal(a, b) and not a.flags.writeable  # large ones are read each time
+    other = relax.const(np.float32(0.25))
+    assert constant_value(other) is not first  # equal values, another constant: its own entry

@@ -25,7 +25,7 @@ from simulator.isa import ACTIVATION_FORMATS, ActivationType
 from simulator.numerics import Rounding
 
 from ..errors import QParamError, UnsupportedOpError
-from ..relax_exprs import static_shape
+from ..relax_exprs import constant_value, static_shape
 from ..params import (ElementwiseParams, ConcatParams, ConvParams, LutParams, MeanParams, NpuOp, PadParams, PoolParams,
                       ReshapeParams, SliceParams, SoftmaxParams, TransposeParams)
 
@@ -41,7 +41,7 @@ s_in * s_w; TFLite's converter stores exactly that product in float32."""
 def _const(expr, what: str) -> np.ndarray:
     if not isinstance(expr, Constant):
         raise UnsupportedOpError(f"{what} must be a compile-time constant")
-    return expr.value.numpy()
+    return constant_value(expr)
 
 
 def _shape(expr) -> tuple[int, ...]:
