@@ -32,7 +32,7 @@ Rewritten idioms:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import numpy as np
 import tvm
@@ -44,7 +44,7 @@ from tvm.relax.expr_functor import PyExprMutator, mutator
 
 from .layout import convert_to_nhwc
 from .patterns.builders import integer_accumulator
-from .relax_exprs import constant_value, is_call
+from .relax_exprs import constant_value, is_call, operators, required_ops
 from .qparams import TensorQParams, infer_qparams, per_tensor_qparams
 
 
@@ -247,14 +247,25 @@ def _rewrite_identity_requantize(graph: "_GraphFacts"):
     return root, rewriter
 
 
-@dataclass(frozen=True)
 class _GraphFacts:
-    """What rewriters may ask of the function being canonicalized."""
+    """What rewriters may ask of the function being canonicalized, worked out when first asked: a function no
+    rewrite matches (an already canonical one, as calibration builds a layer at a time) needs no analysis."""
 
-    known: dict
-    """int8 variable -> :class:`TensorQParams` from the dataflow analysis."""
-    var_of_value: dict
-    var2val: dict
+    def __init__(self, func: relax.Function):
+        self.func = func
+
+    @functools.cached_property
+    def var2val(self) -> dict:
+        return relax.analysis.get_var2val(self.func)
+
+    @functools.cached_property
+    def var_of_value(self) -> dict:
+        return {v: k for k, v in self.var2val.items()}
+
+    @functools.cached_property
+    def known(self) -> dict:
+        """int8 variable -> :class:`TensorQParams` from the dataflow analysis."""
+        return infer_qparams(self.func)
 
     def var(self, expr):
         """The matcher sees through bindings; refer to a producer by its variable, not its value."""
@@ -379,12 +390,12 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
         if not isinstance(func, relax.Function) or (func.attrs is not None and "Codegen" in func.attrs):
             continue
         rewritten = convert_to_nhwc(func)
-        graph = None
+        present = operators(rewritten)
+        graph = _GraphFacts(rewritten)
         for make_rewrite in REWRITES:
-            if graph is None:  # the facts of the function as it is now
-                var2val = relax.analysis.get_var2val(rewritten)
-                graph = _GraphFacts(infer_qparams(rewritten), {v: k for k, v in var2val.items()}, var2val)
             pattern, rewriter = make_rewrite(graph)
+            if not required_ops(pattern) <= present:
+                continue  # it cannot match: no call of one of its operators
             changed = []
 
             def tracked(expr, matches, rewriter=rewriter, changed=changed):
@@ -395,7 +406,7 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
 
             result = rewrite_call(pattern, tracked, rewritten)
             if changed:  # else the function and its facts stay: the next rewrite needs no new analysis
-                rewritten, graph = result, None
+                rewritten, graph, present = result, _GraphFacts(result), operators(result)
         rewritten = one_dequantize_per_use(rewritten)
         rewritten = relax.analysis.remove_all_unused(_UniqueNames().visit_expr(rewritten))
         out[gvar] = rewritten

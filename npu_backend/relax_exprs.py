@@ -9,11 +9,41 @@ import numpy as np
 import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
+from tvm.relax.dpl import pattern as dpl
+from tvm.relax.dpl.pattern import DFPattern
 
 
 def is_call(expr, op_name: str) -> bool:
     """Whether ``expr`` is a call of the Relax operator ``op_name`` (e.g. ``"relax.dequantize"``)."""
     return isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and expr.op.name == op_name
+
+
+def operators(func: relax.Function) -> set[str]:
+    """The names of the Relax operators ``func`` calls (nested functions included)."""
+    names: set[str] = set()
+    relax.analysis.post_order_visit(func, lambda e: names.add(e.op.name) if isinstance(e, relax.Call)
+                                    and isinstance(e.op, tvm.ir.Op) else None)
+    return names
+
+
+def required_ops(pattern: DFPattern) -> frozenset[str]:
+    """The operators every expression ``pattern`` matches must call: a lower bound, empty when nothing is
+    certain (an alternation needs only what both sides need; a wildcard, constant or negation needs nothing)."""
+    if isinstance(pattern, dpl.CallPattern):
+        op = pattern.op
+        own = {op.expr.name} if isinstance(op, dpl.ExprPattern) and isinstance(op.expr, tvm.ir.Op) else set()
+        return frozenset(own).union(*(required_ops(a) for a in (pattern.args or ())))
+    if isinstance(pattern, dpl.OrPattern):
+        return required_ops(pattern.left) & required_ops(pattern.right)
+    if isinstance(pattern, dpl.AndPattern):
+        return required_ops(pattern.left) | required_ops(pattern.right)
+    if isinstance(pattern, (dpl.AttrPattern, dpl.TypePattern, dpl.ShapePattern, dpl.DataTypePattern)):
+        return required_ops(pattern.pattern)
+    if isinstance(pattern, dpl.TupleGetItemPattern):
+        return required_ops(pattern.tuple)
+    if isinstance(pattern, (dpl.TuplePattern, dpl.UnorderedTuplePattern)):
+        return frozenset().union(*(required_ops(f) for f in pattern.fields))
+    return frozenset()
 
 
 def static_shape(expr) -> tuple[int, ...] | None:

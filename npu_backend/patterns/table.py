@@ -15,12 +15,10 @@ import contextvars
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-import tvm
 from tvm import relax
 from tvm.ir.expr import Constant
 from tvm.relax.backend.pattern_registry import get_patterns_with_prefix, register_patterns
 from tvm.relax.backend.utils import has_leaking_intermediate_variables
-from tvm.relax.dpl import pattern as dpl
 from tvm.relax.dpl.pattern import DFPattern
 
 from simulator.config import NpuConfig, get_config
@@ -30,6 +28,7 @@ from ..errors import InternalError, NpuError
 from ..legality import violation
 from ..params import OPERAND_ROLES, NpuParams
 from ..reference import Reference, follow_reference
+from ..relax_exprs import operators, required_ops
 
 PREFIX = "npu"
 
@@ -155,26 +154,6 @@ def registered_patterns():
     return get_patterns_with_prefix(PREFIX)
 
 
-def required_ops(pattern: DFPattern) -> frozenset[str]:
-    """The operators every expression ``pattern`` matches must call: a lower bound, empty when nothing is
-    certain (an alternation needs only what both sides need; a wildcard, constant or negation needs nothing)."""
-    if isinstance(pattern, dpl.CallPattern):
-        op = pattern.op
-        own = {op.expr.name} if isinstance(op, dpl.ExprPattern) and isinstance(op.expr, tvm.ir.Op) else set()
-        return frozenset(own).union(*(required_ops(a) for a in (pattern.args or ())))
-    if isinstance(pattern, dpl.OrPattern):
-        return required_ops(pattern.left) & required_ops(pattern.right)
-    if isinstance(pattern, dpl.AndPattern):
-        return required_ops(pattern.left) | required_ops(pattern.right)
-    if isinstance(pattern, (dpl.AttrPattern, dpl.TypePattern, dpl.ShapePattern, dpl.DataTypePattern)):
-        return required_ops(pattern.pattern)
-    if isinstance(pattern, dpl.TupleGetItemPattern):
-        return required_ops(pattern.tuple)
-    if isinstance(pattern, (dpl.TuplePattern, dpl.UnorderedTuplePattern)):
-        return frozenset().union(*(required_ops(f) for f in pattern.fields))
-    return frozenset()
-
-
 _REQUIRED: dict = {}
 """Registered pattern (hashed by identity, as TVM objects are) -> its required ops."""
 
@@ -191,9 +170,5 @@ def patterns_for(mod) -> list:
     operators all occur in it. ``FuseOpsByPattern`` tries every pattern over the whole module in C++ (about
     0.1 ms each on a one-layer module, 45 patterns); a pattern whose operator is absent can neither match nor
     reach its check, so leaving it out changes nothing but the time."""
-    present = set()
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            relax.analysis.post_order_visit(func, lambda e: present.add(e.op.name) if isinstance(e, relax.Call)
-                                            and isinstance(e.op, tvm.ir.Op) else None)
+    present = set().union(*(operators(f) for f in mod.functions.values() if isinstance(f, relax.Function)))
     return [entry for entry in registered_patterns() if _required(entry) <= present]
