@@ -378,6 +378,16 @@ def one_dequantize_per_use(func: relax.Function) -> relax.Function:
     return func if not shared else _DequantizePerUse(shared, returned).visit_expr(func)
 
 
+_REWRITE_OPS: dict = {}
+
+
+def _rewrite_ops(make_rewrite, pattern) -> frozenset[str]:
+    """The operators a rewrite's pattern requires: its shape does not depend on the graph, so once per rewrite."""
+    if make_rewrite not in _REWRITE_OPS:
+        _REWRITE_OPS[make_rewrite] = required_ops(pattern)
+    return _REWRITE_OPS[make_rewrite]
+
+
 def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
     """Rewrite the quantized idioms of every Relax function into the canonical QDQ form.
 
@@ -394,7 +404,7 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
         graph = _GraphFacts(rewritten)
         for make_rewrite in REWRITES:
             pattern, rewriter = make_rewrite(graph)
-            if not required_ops(pattern) <= present:
+            if not _rewrite_ops(make_rewrite, pattern) <= present:
                 continue  # it cannot match: no call of one of its operators
             changed = []
 
