@@ -102,8 +102,9 @@ def test_one_schedule_variant_computes_what_the_chosen_stream_computes():
 
 def test_a_serial_stream_computes_what_the_overlapped_one_computes_and_missing_dependencies_are_still_refused():
     # Calibration lowers its streams serially (deps None: each command waits for the one before, as before format
-    # 2.4), deriving no dependencies; the values are those of the stream with them. A stream whose commands claim
-    # to wait for nothing (deps ()) while they share SRAM is refused, prepared for a batch or not.
+    # 2.4), deriving no dependencies and no growing stripes (a choice of cycles only); the values are those of
+    # the stream with them. A stream whose commands claim to wait for nothing (deps ()) while they share SRAM is
+    # refused, prepared for a batch or not.
     from simulator.errors import StreamError
     from simulator.timeline import schedule
 
@@ -125,3 +126,30 @@ def test_a_serial_stream_computes_what_the_overlapped_one_computes_and_missing_d
     bare = dataclasses.replace(stream, commands=tuple(dataclasses.replace(c, deps=()) for c in stream.commands))
     with pytest.raises(StreamError, match="must depend on"):
         PreparedBatch(bare)
+
+
+def test_a_serial_stream_leaves_out_growing_stripes_and_computes_the_same_values():
+    # MobileNetV2's region streams its first layer from DRAM in stripes that start short and grow; the serial
+    # stream calibration asks for has uniform stripes (fewer commands), and the same outputs.
+    from npu_backend.codegen.schedule import ScheduleOptions
+
+    partitioned = npu_backend.partition_for_npu(npu_backend.load_model(
+        "tests/fixtures/tflite/mobilenet_v2_035_96.tflite"))
+    (grown,) = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1]).values()
+    uniform_options = dataclasses.replace(SCHEDULE_VARIANTS[0], growing_stripes=False)
+    (uniform,) = lower_module(partitioned, variants=(uniform_options,), word_records=False).values()
+    (serial,) = lower_module(partitioned, variants=SCHEDULE_VARIANTS[:1], serial=True).values()
+    assert ScheduleOptions().growing_stripes
+    first = grown.commands[0].layer
+
+    def first_layer_computes(stream):
+        return sum(c.layer == first and c.opcode != Opcode.DMA_COPY for c in stream.commands)
+
+    # the first layer in fewer, taller stripes: as many as with growing stripes left out of every variant
+    assert first_layer_computes(serial) == first_layer_computes(uniform) < first_layer_computes(grown)
+    (_, buf), = grown.buffers_of(BufferKind.INPUT)
+    batch = np.random.default_rng(16).integers(-128, 128, (2, *buf.shape)).astype(buf.dtype)
+    want, _ = PreparedBatch(grown).run({buf.name: batch})
+    got, _ = PreparedBatch(serial).run({buf.name: batch})
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])

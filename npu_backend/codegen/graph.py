@@ -161,8 +161,9 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
     one with the shortest makespan (the earlier one on a tie), or layer by layer through DRAM when the
     scheduler cannot fit the region (or ``scheduled`` is False). Every variant computes the same values, so a
     caller that needs only those (calibration, which lowers a stream for every layer it tries) asks for
-    ``serial``: the first variant that fits, untimed, with no dependencies derived; every command waits for the
-    one before it (``deps`` None, as in streams before format 2.4), a valid stream with no overlap.
+    ``serial``: the first variant that fits, without growing stripes (:attr:`ScheduleOptions.growing_stripes`),
+    untimed, with no dependencies derived; every command waits for the one before it (``deps`` None, as in
+    streams before format 2.4), a valid stream with no overlap.
 
     ``word_records``: when the winner reads packed scale/bias records, it is also tried with 12-byte ones and
     the shorter kept (:attr:`ScheduleOptions.packed_records`); False keeps exactly the variants given."""
@@ -195,6 +196,8 @@ def lower_graph(graph: RegionGraph, config: NpuConfig, name: str, scheduled: boo
         if best is None or cycles < best[0]:
             best = (cycles, stream, options)
 
+    if serial:  # values only: the cycle search that changes nothing else is left out
+        variants = tuple(dataclasses.replace(v, growing_stripes=False) for v in variants)
     for options in variants if scheduled else ():
         sb = emitted(options)
         if sb is None:

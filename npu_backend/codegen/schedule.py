@@ -121,6 +121,11 @@ class ScheduleOptions:
     streamed_tiles: bool = False
     """Layers whose constants take longer to move than to compute run in smaller channel tiles
     (:data:`STREAMED_TILE_FRACTION`)."""
+    growing_stripes: bool = True
+    """The region's first layer, striped because it streams its input from DRAM, may start with short stripes
+    that grow (:meth:`RegionScheduler._growing`) when that ends it sooner. A choice of cycles alone, and the
+    scheduler's costliest search (tens of milliseconds for a large first layer): a caller that needs only the
+    values (``lower_graph(serial=True)``) leaves it out and gets uniform stripes."""
     packed_records: bool = True
     """MAC layers' scale/bias tables in 9-byte records where their rounding allows (a quarter fewer bytes to
     move and hold; format 2.5), else 12-byte ones. Fewer bytes are not always a shorter makespan: the
@@ -253,7 +258,7 @@ class RegionScheduler:
         rows = self._rows(strategy, members)
         height = self.layers[members[-1]].program.out.height
         uniform = list(range(rows, height, rows)) + [height]
-        if members != [0] or not 2 <= rows < height or 0 in strategy.stripe:
+        if members != [0] or not 2 <= rows < height or 0 in strategy.stripe or not self.options.growing_stripes:
             return uniform
         return min(self._growing(strategy, rows), uniform, key=lambda ends: (self._first_layer_end(strategy, ends),
                                                                            len(ends)))
