@@ -146,8 +146,12 @@ def test_depthwise_is_the_einsum_bit_for_bit(channels, size, stride, dilation, k
     conv, x, w = _depthwise_case(channels, size, stride, dilation, kernel, padding)
     padded = centred_input(x, 0, conv.padding, np.float32)
     out = np.empty((len(x), conv.ofm.height, conv.ofm.width, channels), np.float32)
-    kernels.depthwise(padded, w, conv, out)
+    kernels.depthwise(x, w, conv, out)  # the unpadded input: the kernel pads as it reads
     assert out.tobytes() == depthwise_sums(padded, w, conv).tobytes()
+    # int8 input, centred by its zero point as it is read: the padded float32 copy's sums, bit for bit
+    q = np.clip(np.round(x * 40), -128, 127).astype(np.int8)
+    kernels.depthwise(q, w, conv, out, zero_point=-5)
+    assert out.tobytes() == depthwise_sums(centred_input(q, -5, conv.padding, np.float32), w, conv).tobytes()
 
 
 @needs_x86
@@ -158,10 +162,11 @@ def test_depthwise_sums_of_integers_are_exact():
     rng = np.random.default_rng(5)
     x = rng.integers(-128, 128, (3, 16, 18, 32)).astype(np.int8)
     w = rng.integers(-127, 128, (32, 3, 3)).astype(np.int8)
-    padded = centred_input(x, -7, conv.padding, np.float32)
     out = np.empty((3, conv.ofm.height, conv.ofm.width, 32), np.float32)
-    kernels.depthwise(padded, w.astype(np.float32), conv, out)
+    kernels.depthwise(x, w.astype(np.float32), conv, out, zero_point=-7)
     wide = centred_input(x, -7, conv.padding, np.int64)
+    with pytest.raises(ValueError, match="int8 inputs only"):
+        kernels.depthwise(x.astype(np.float32), w.astype(np.float32), conv, out, zero_point=-7)
     want = np.zeros(out.shape, np.int64)
     for ky in range(3):
         for kx in range(3):
@@ -189,11 +194,11 @@ def test_one_channel_goes_to_the_einsum_whose_order_the_kernel_does_not_follow()
     differing = 0
     for seed in range(10):
         rng = np.random.default_rng(seed)
-        padded = centred_input((rng.standard_normal((1, 4, 13, 1)) * 100).astype(np.float32), 0, conv.padding,
-                               np.float32)
+        x = (rng.standard_normal((1, 4, 13, 1)) * 100).astype(np.float32)
+        padded = centred_input(x, 0, conv.padding, np.float32)
         w = rng.standard_normal((1, 5, 5)).astype(np.float32)
         out = np.empty((1, 3, 12, 1), np.float32)
-        kernels.depthwise(padded, w, conv, out)
+        kernels.depthwise(x, w, conv, out)
         differing += out.tobytes() != depthwise_sums(padded, w, conv).tobytes()
     assert differing
 
@@ -210,7 +215,7 @@ def test_compiling_a_kernel_keeps_no_frame_of_its_caller():
 
     def caller():
         marker = Marker()  # a local of a frame on the stack that asks for the kernel
-        kernels._kernel("test_depthwise_1x2", lambda: kernels._depthwise_func(1, 2))
+        kernels._kernel("test_depthwise_1x2", lambda: kernels._depthwise_func(1, 2, "float32"))
         return weakref.ref(marker)
 
     kernels._compiled.pop("test_depthwise_1x2", None)

@@ -147,14 +147,16 @@ class WeightedPlan:
         operands, apply = PREPARED_SUMS[self.opcode]
         ofm = conv.ofm
         out = buffers.empty((*nhwc.shape[:-3], ofm.height, ofm.width, ofm.channels)) if self.channels_first else dest
-        if centring or conv.padding != (0, 0, 0, 0) or not nhwc.flags.c_contiguous:
-            padded = centred_input(nhwc, zero_point, conv.padding, np.float32, empty=buffers.empty)  # reused memory
-        else:
-            padded = nhwc  # a float32 pointwise layer's input as it is: nothing to centre, pad or gather
         if self.opcode == Opcode.DEPTHWISE_CONV2D and kernels.depthwise_applies(conv.ifm.channels,
                                                                                    ofm.channels // conv.ifm.channels):
-            kernels.depthwise(padded, w, conv, out)  # the einsum's sums, bit for bit, compiled
+            # the einsum's sums, bit for bit, compiled; it centres and pads as it reads (no float32 copy)
+            kernels.depthwise(nhwc if nhwc.flags.c_contiguous else np.ascontiguousarray(nhwc), w, conv, out,
+                              zero_point)
         else:
+            if centring or conv.padding != (0, 0, 0, 0) or not nhwc.flags.c_contiguous:
+                padded = centred_input(nhwc, zero_point, conv.padding, np.float32, empty=buffers.empty)  # reused
+            else:
+                padded = nhwc  # a float32 pointwise layer's input as it is: nothing to centre, pad or gather
             apply(padded, operands(w, conv, np.float32), conv, out)
         if self.channels_first:
             dest[...] = np.transpose(out, (0, 1, 4, 2, 3))

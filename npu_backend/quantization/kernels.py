@@ -20,7 +20,9 @@ scale``, one rounding).
 
 A depthwise convolution is nine multiply-adds per output, each a separate numpy pass over a strided view, or one
 ``einsum`` (:func:`simulator.macs.depthwise_apply`) at 0.5 to 3 GMAC/s: in calibration of a MobileNetV2 more than
-half the matrix products' CPU time for 7% of their MACs. :func:`depthwise` is one loop at 5 to 11 GMAC/s. It adds
+half the matrix products' CPU time for 7% of their MACs. :func:`depthwise` is one loop at 5 to 11 GMAC/s, and it
+reads the layer's unpadded input (int8, centred by its zero point as it is read, or float32), so the padded
+float32 copy the einsum needs is never made (that copy had cost as much as the loop itself). It adds
 the taps in the ``einsum``'s order (``(ky, kx)`` row-major from ``+0.0``, ``out + w * x`` with two roundings), so
 its float32 sums equal the ``einsum``'s bit for bit (the float model's pass is the same whichever path computes a
 layer; the integer sums are exact either way). That needs a product rounded before its addition, which LLVM's
@@ -97,14 +99,20 @@ def depthwise_applies(channels: int, multiplier: int) -> bool:
     return multiplier == 1 and channels >= 2 and _NO_FMA is not None
 
 
-def depthwise(padded: np.ndarray, weights: np.ndarray, conv, out: np.ndarray) -> None:
-    """:func:`simulator.macs.depthwise_apply` of ``padded [N, Hp, Wp, C]`` (centred and padded, float32) by
-    ``weights [C, KH, KW]`` into ``out [N, OH, OW, C]``, bit for bit; channel multiplier 1, ``out`` contiguous."""
+def depthwise(x: np.ndarray, weights: np.ndarray, conv, out: np.ndarray, zero_point: int = 0) -> None:
+    """:func:`simulator.macs.depthwise_apply` of ``centred_input(x, zero_point, conv.padding)`` by ``weights [C,
+    KH, KW]`` into ``out [N, OH, OW, C]``, bit for bit; channel multiplier 1, ``out`` contiguous. ``x [N, H, W, C]``
+    (channels last, unpadded) is float32 or int8: each tap reads its input, less the zero point, or +0.0 in the
+    padding, as the padded float32 copy would hold it, which is therefore never made."""
     channels, kh, kw = weights.shape
     taps = np.ascontiguousarray(weights.reshape(channels, kh * kw).T, np.float32)
-    padded = padded.reshape(-1, *padded.shape[-3:])
-    arrays = (padded, taps, out.reshape(-1, *out.shape[-3:]))
-    _run(f"depthwise_{kh}x{kw}", lambda: _depthwise_func(kh, kw), arrays, *conv.stride, *conv.dilation, 0.0)
+    x = x.reshape(-1, *x.shape[-3:])
+    if x.dtype == np.float32 and zero_point:
+        raise ValueError("a zero point is subtracted from int8 inputs only")
+    arrays = (x, taps, out.reshape(-1, *out.shape[-3:]))
+    top, left = conv.padding[:2]
+    _run(f"depthwise_{kh}x{kw}_{x.dtype}", lambda: _depthwise_func(kh, kw, str(x.dtype)), arrays, *conv.stride,
+         *conv.dilation, top, left, float(zero_point), 0.0)
 
 
 _NO_FMA = ["-fma", "-fma4"] if platform.machine().lower() in ("x86_64", "amd64") else None
@@ -229,34 +237,43 @@ def _energies_func():
     return energies
 
 
-def _depthwise_func(kh: int, kw: int):
+def _depthwise_func(kh: int, kw: int, dtype: str):
     from tvm.script import tirx as T
 
     lanes = LANES
     taps = [(ky, kx) for ky in range(kh) for kx in range(kw)]
 
-    def sums(X, W, s, oy, ox, c, stride_y, stride_x, dilation_y, dilation_x, zero):
+    def tap(X, s, y, x, c, h, w, zero_point):
+        """The padded, centred input at ``(y, x)`` of the unpadded ``X``: +0.0 outside it."""
+        value = T.Cast("float32", X[s, y, x, c]) - zero_point if dtype == "int8" else X[s, y, x, c]
+        return T.if_then_else(T.And(T.And(y >= 0, y < h), T.And(x >= 0, x < w)), value, T.float32(0))
+
+    def sums(X, W, s, oy, ox, c, h, w, stride_y, stride_x, dilation_y, dilation_x, top, left, zero_point, zero):
         """One output's taps as one expression, in the einsum's order from ``zero`` (+0.0: an argument, since
         TVM's simplifier would drop a literal ``0 +`` and keep a first product of -0.0 where numpy has +0.0)."""
         total = zero
-        for tap, (ky, kx) in enumerate(taps):
-            total = total + W[tap, c] * X[s, oy * stride_y + ky * dilation_y, ox * stride_x + kx * dilation_x, c]
+        for k, (ky, kx) in enumerate(taps):
+            total = total + W[k, c] * tap(X, s, oy * stride_y + ky * dilation_y - top,
+                                          ox * stride_x + kx * dilation_x - left, c, h, w, zero_point)
         return total
 
     @T.prim_func(check_well_formed=False)
     def depthwise(x_h: T.handle, w_h: T.handle, out_h: T.handle, stride_y: T.int64, stride_x: T.int64,
-                  dilation_y: T.int64, dilation_x: T.int64, zero: T.float32):
+                  dilation_y: T.int64, dilation_x: T.int64, top: T.int64, left: T.int64, zero_point: T.float32,
+                  zero: T.float32):
         T.func_attr({"tir.noalias": True})
-        n, hp, wp, c, oh, ow = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
-        X = T.match_buffer(x_h, (n, hp, wp, c), "float32", align=4)
+        n, h, w, c, oh, ow = T.int64(), T.int64(), T.int64(), T.int64(), T.int64(), T.int64()
+        X = T.match_buffer(x_h, (n, h, w, c), dtype, align=1)
         W = T.match_buffer(w_h, (len(taps), c), "float32", align=4)
         OUT = T.match_buffer(out_h, (n, oh, ow, c), "float32", align=4)
         for s, oy, ox in T.grid(n, oh, ow):  # a pixel's channels in the inner loop: its inputs are contiguous
             for g in range(c // lanes):
                 for lane in T.vectorized(lanes):
-                    OUT[s, oy, ox, g * lanes + lane] = sums(X, W, s, oy, ox, g * lanes + lane, stride_y, stride_x,
-                                                            dilation_y, dilation_x, zero)
+                    OUT[s, oy, ox, g * lanes + lane] = sums(X, W, s, oy, ox, g * lanes + lane, h, w, stride_y,
+                                                            stride_x, dilation_y, dilation_x, top, left,
+                                                            zero_point, zero)
             for k in range(c - c % lanes, c):
-                OUT[s, oy, ox, k] = sums(X, W, s, oy, ox, k, stride_y, stride_x, dilation_y, dilation_x, zero)
+                OUT[s, oy, ox, k] = sums(X, W, s, oy, ox, k, h, w, stride_y, stride_x, dilation_y, dilation_x, top,
+                                         left, zero_point, zero)
 
     return depthwise
