@@ -168,3 +168,27 @@ def test_output_headroom_widens_only_the_model_outputs_range():
 def test_invalid_values_name_their_field(field, value):
     with pytest.raises(NpuError, match=f"QConfig.{field}"):
         QConfig(**{field: value})
+
+
+@pytest.mark.parametrize("symmetric", [False, True])
+def test_minmax_range_of_held_out_samples_from_extremes_is_the_observers(symmetric):
+    # Cross-validating a model output's headroom asks for the method's range ten times; minmax's comes from the
+    # samples' extremes, and must be the range the observer (histograms and all) gives the same samples.
+    import importlib
+
+    from npu_backend.quantization.observers import TensorStats, choose_range
+
+    calibrate = importlib.import_module("npu_backend.quantization.calibrate")
+    config = npu_backend.QConfig(symmetric_activations=symmetric)
+    rng = np.random.default_rng(3)
+    for shift in (0.0, 5.0, -5.0):
+        samples = (rng.standard_normal((9, 4, 7)) * 3 + shift).astype(np.float32)
+        stats = TensorStats(bins=config.bins)
+        stats.update_samples(samples)
+        want = choose_range(stats, "minmax", calibrate._request(config))
+        assert calibrate._method_range(config, samples) == want
+    samples[2, 1, 1] = np.nan  # not finite: the observer's path, and its error
+    with pytest.raises(NpuError, match="NaN or infinite"):
+        TensorStats(bins=config.bins).update_samples(samples)
+    with pytest.raises(NpuError, match="NaN or infinite"):
+        calibrate._method_range(config, samples)

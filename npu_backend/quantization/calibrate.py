@@ -308,7 +308,13 @@ def _choose(ctx: Context, layer: Layer | None, values: list[np.ndarray], plan: P
 
 
 def _method_range(config: QConfig, samples: np.ndarray) -> tuple[float, float]:
-    """The calibration method's range on some of a tensor's samples."""
+    """The calibration method's range on some of a tensor's samples: minmax's from their extremes alone, as
+    :func:`_choose_from_extremes` takes it (the same range the observer gives finite values, without its
+    histogram: cross-validating a model output's headroom asks for it ten times)."""
+    if config.calibration == "minmax":
+        extremes = _finite_extremes(samples)
+        if extremes is not None:
+            return extremes_range(*extremes, _request(config))
     stats = TensorStats(bins=config.bins)
     stats.update_samples(samples)
     return choose_range(stats, config.calibration, _request(config))
