@@ -38,8 +38,21 @@ class WeightQ:
     bias_scales: np.ndarray | None = None  # float32 [C]: input scale x weight scale
 
 
+_SCALARS: dict = {}
+"""(dtype, value) -> the one Constant of that scalar: calibration emits a module per layer, each with its qparams
+as constants, and making a Relax constant copies its value into a TVM tensor (70 us, however small)."""
+
+
 def const(value, dtype: str) -> Constant:
-    return relax.const(np.asarray(value, dtype=dtype), dtype)
+    array = np.asarray(value, dtype=dtype)
+    if array.ndim:
+        return relax.const(array, dtype)
+    key = (dtype, array.tobytes())
+    if key not in _SCALARS:
+        if len(_SCALARS) > 4096:  # qparams of a few models at a time; bounded all the same
+            _SCALARS.clear()
+        _SCALARS[key] = relax.const(array, dtype)
+    return _SCALARS[key]
 
 
 def quantize(expr, q: TensorQ):
