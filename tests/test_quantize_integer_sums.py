@@ -172,6 +172,34 @@ def test_int8_inputs_are_centred_chunk_by_chunk_as_they_are_summed(name, monkeyp
     assert got.tobytes() == want.tobytes()
 
 
+@pytest.mark.parametrize("name", list(LAYERS))
+def test_statistics_read_as_the_sums_form_see_every_sum_once_in_order(name, monkeypatch):
+    """A row-wise layer (pointwise channels last, dense) forms its sums a block of rows at a time and hands each
+    block to ``then`` while it is in cache; the others a chunk at a time. Either way the sums are those formed
+    without ``then``, and ``then`` sees each of them once, in order."""
+    from npu_backend.quantization import batched_float
+
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", 300)  # several chunks
+    monkeypatch.setattr(batched_float, "BLOCK_ELEMENTS", 48)  # several blocks a chunk (and a last short one)
+    layer, _, x = _layer_and_inputs(name, samples=5)
+    plan = dataclasses.replace(plan_weighted(layer), channels_first=False)
+    centred = centre_host(x, 7, plan_weighted(layer).channels_first)
+    weight = RNG.integers(-127, 128, layer.weight.shape).astype(np.float32)
+    want = plan.sums(centred.values, weight, zero_point=7)
+    seen = []
+    got, parts = plan.sums(centred.values, weight, then=lambda block: seen.append(block.copy()) or len(seen),
+                           zero_point=7)
+    assert got.tobytes() == want.tobytes()
+    assert parts == list(range(1, len(seen) + 1))
+    channels = want.shape[-1]
+    assert np.concatenate([b.reshape(-1, channels) for b in seen]).tobytes() == want.tobytes()
+    chunk_count = len(batched_float.chunks(len(x), x[0].size))
+    if name in ("pointwise NCHW", "dense"):  # row-wise (the pointwise layer is summed channels last)
+        assert len(seen) > chunk_count
+    else:
+        assert len(seen) == chunk_count
+
+
 @pytest.mark.parametrize("shape", [(2, 7, 5, 16), (3, 11, 13, 24), (1, 1, 97, 3), (4, 9, 9, 2048), (1, 1, 1, 5)])
 def test_folded_channel_statistics_are_the_plain_reductions(shape):
     """The per-channel min, max and total read the chunk as rows of several pixels (fewer, longer rows for numpy's
