@@ -175,6 +175,9 @@ def instrument() -> Phases:
         (npu_backend.frontend.LOADERS, ".onnx", "import (TVM's ONNX importer)"),
         (quantization, "cut_layers", "layer cut"),
         (batched_float.WeightedPlan, "_sums_into", "conv/matmul sums, float and integer"),
+        (batched_float, "_row_blocks", "conv/matmul sums, float and integer"),  # row-wise integer sums, blocked
+        (integer_sums, "_channel_statistics", "integer sums: channel statistics"),
+        (integer_sums, "_channel_extremes", "integer sums: channel statistics"),
         (batched_float, "finish_into", "float bias, clamp"),
         (steps.ElementwiseLayer, "run", "float elementwise layers (numpy)"),
         (steps.FloatLayers, "run", "float layers on TVM, per sample"),
