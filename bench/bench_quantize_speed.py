@@ -176,8 +176,8 @@ def instrument() -> Phases:
         (quantization, "cut_layers", "layer cut"),
         (batched_float.WeightedPlan, "_sums_into", "conv/matmul sums, float and integer"),
         (batched_float, "_row_blocks", "conv/matmul sums, float and integer"),  # row-wise integer sums, blocked
-        (integer_sums, "_channel_statistics", "integer sums: channel statistics"),
         (integer_sums, "_channel_extremes", "integer sums: channel statistics"),
+        (integer_sums, "channel_totals", "integer sums: channel statistics"),
         (batched_float, "finish_into", "float bias, clamp"),
         (steps.ElementwiseLayer, "run", "float elementwise layers (numpy)"),
         (steps.FloatLayers, "run", "float layers on TVM, per sample"),

@@ -103,3 +103,18 @@ def test_constant_value_reads_each_small_constant_once_and_read_only():
     assert a is not b and np.array_equal(a, b) and not a.flags.writeable  # large ones are read each time
     other = relax.const(np.float32(0.25))
     assert constant_value(other) is not first  # equal values, another constant: its own entry
+
+
+def test_constant_value_keeps_a_bounded_table(monkeypatch):
+    from npu_backend import relax_exprs
+
+    monkeypatch.setattr(relax_exprs, "_VALUES_KEPT", 2)
+    monkeypatch.setattr(relax_exprs, "_VALUES", type(relax_exprs._VALUES)())
+    first, second, third = (relax.const(np.float32(v)) for v in (1.0, 2.0, 3.0))
+    a = relax_exprs.constant_value(first)
+    assert relax_exprs.constant_value(first) is a  # kept
+    relax_exprs.constant_value(second)
+    relax_exprs.constant_value(third)  # the least recently read, first, goes
+    assert len(relax_exprs._VALUES) == 2
+    again = relax_exprs.constant_value(first)
+    assert again is not a and again == a

@@ -167,6 +167,13 @@ def test_depthwise_sums_of_integers_are_exact():
     wide = centred_input(x, -7, conv.padding, np.int64)
     with pytest.raises(ValueError, match="int8 inputs only"):
         kernels.depthwise(x.astype(np.float32), w.astype(np.float32), conv, out, zero_point=-7)
+    with pytest.raises(ValueError, match="int8 or float32"):
+        kernels.depthwise(x.astype(np.int16), w.astype(np.float32), conv, out)
+    frozen = x.copy()
+    frozen.setflags(write=False)  # DLPack refuses a read-only view: the kernel reads a copy
+    again = np.empty_like(out)
+    kernels.depthwise(frozen[:, :, ::-1][:, :, ::-1], w.astype(np.float32), conv, again, zero_point=-7)
+    assert again.tobytes() == out.tobytes()
     want = np.zeros(out.shape, np.int64)
     for ky in range(3):
         for kx in range(3):

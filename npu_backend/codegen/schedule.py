@@ -111,7 +111,8 @@ class Strategy:
 class ScheduleOptions:
     """Choices the cycle model arbitrates: the lowering schedules a region with each of
     ``SCHEDULE_VARIANTS`` and keeps the stream with the shortest makespan (their effects on SRAM pressure,
-    hence on stripes and spills, are too entangled to predict)."""
+    hence on stripes and spills, are too entangled to predict). ``growing_stripes`` is a switch instead: on in
+    every variant, off where only values are wanted."""
 
     prefetch: str = "repack"
     """Deep-prefetch policy, a key of ``PREFETCH_POLICIES``."""

@@ -37,9 +37,10 @@ where whole-batch temporaries (hundreds of MB) would be fresh pages, faulted in 
 
 
 BLOCK_ELEMENTS = 1 << 18
-"""Outputs per block of rows when a chunk's sums are read as they form (1 MiB of float32, read back from the
-cache). Blocks of 256 KiB made the matrix products (a few dozen rows for wide layers) slower than the reads they
-saved: a MobileNetV2 calibration 4.08 -> 4.55 s, where 1 MiB blocks took 4.7-5.1 -> 4.2-4.4 s."""
+"""Outputs per block of rows when a chunk's integer sums are read as they form (1 MiB of float32, read back from
+the cache). Measured on a ranges-only MobileNetV2 calibration, in runs alternating with the unblocked code: 1 MiB
+blocks 4.2-4.4 s against 4.7-5.1 s; 256 KiB blocks (a few dozen rows for wide layers, slower matrix products)
+4.55 s against 4.08 s."""
 
 
 def chunks(count: int, sample_size: int) -> list[slice]:
@@ -72,7 +73,8 @@ class WeightedPlan:
         if x.dtype == np.int8 and self.channels_first:
             raise ValueError("int8 inputs are summed channels last")
         out = buffers.empty(self._out_shape(x, w), np.float32)
-        matrix = self._row_matrix(w) if then is not None and self._row_wise(x) else None
+        # int8 only: its sums are exact however the rows are cut; BLAS rounds a float32 block's otherwise
+        matrix = self._row_matrix(w) if then is not None and x.dtype == np.int8 and self._row_wise(x) else None
 
         def chunk(part: slice):
             if matrix is not None:  # ``then`` on blocks of rows a cache holds, each right after its product
@@ -174,8 +176,7 @@ class WeightedPlan:
         if self.opcode == Opcode.DEPTHWISE_CONV2D and kernels.depthwise_applies(conv.ifm.channels,
                                                                                    ofm.channels // conv.ifm.channels):
             # the einsum's sums, bit for bit, compiled; it centres and pads as it reads (no float32 copy)
-            kernels.depthwise(nhwc if nhwc.flags.c_contiguous else np.ascontiguousarray(nhwc), w, conv, out,
-                              zero_point)
+            kernels.depthwise(nhwc, w, conv, out, zero_point)
         else:
             if centring or conv.padding != (0, 0, 0, 0) or not nhwc.flags.c_contiguous:
                 padded = centred_input(nhwc, zero_point, conv.padding, np.float32, empty=buffers.empty)  # reused
@@ -271,10 +272,11 @@ def _bias(layer: Layer, bias) -> np.ndarray | None:
 
 
 def _row_blocks(x: np.ndarray, matrix: np.ndarray, dest: np.ndarray, zero_point: int, then) -> list:
-    """``dest = (x - zero_point) @ matrix`` row-wise, :data:`BLOCK_ELEMENTS` outputs at a time, ``then`` called on
-    each block while it is in cache (a sample of an early MobileNetV2 layer is megabytes of sums, which a
-    per-channel pass read back from memory): the same rows times the same matrix as :meth:`WeightedPlan._sums_into`
-    forms at once."""
+    """``dest = (x - zero_point) @ matrix`` row-wise for an int8 ``x``, :data:`BLOCK_ELEMENTS` outputs at a time,
+    ``then`` called on each block while it is in cache (a sample of an early MobileNetV2 layer is megabytes of
+    sums, which a per-channel pass read back from memory). The sums are exact integers, so they equal those
+    :meth:`WeightedPlan._sums_into` forms at once; float32 products of a block of rows may round otherwise (BLAS
+    cuts them differently), which is why float inputs never come here."""
     rows_in, rows_out = x.reshape(-1, x.shape[-1]), dest.reshape(-1, dest.shape[-1])
     step = max(1, BLOCK_ELEMENTS // rows_out.shape[1])
     centred = np.empty((min(step, len(rows_in)), rows_in.shape[1]), np.float32)

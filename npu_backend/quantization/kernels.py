@@ -32,7 +32,7 @@ x86's ``-fma`` attribute guarantees, so :func:`depthwise` is used on x86-64 alon
 Otherwise a kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so
 an FMA or any order gives the same values), so it is the same whatever the compiler does with the loop. Each is
 compiled once per process, at first use (0.05 to 0.25 s), with symbolic sizes: one kernel for every tensor (a
-depthwise one per kernel size, strides and dilations its arguments). A call
+depthwise one per kernel size and input type, strides, dilations, padding and zero point its arguments). A call
 releases the GIL, so the worker threads of :mod:`.parallel` run kernels side by side.
 """
 
@@ -107,8 +107,12 @@ def depthwise(x: np.ndarray, weights: np.ndarray, conv, out: np.ndarray, zero_po
     channels, kh, kw = weights.shape
     taps = np.ascontiguousarray(weights.reshape(channels, kh * kw).T, np.float32)
     x = x.reshape(-1, *x.shape[-3:])
+    if x.dtype not in (np.int8, np.float32):
+        raise ValueError(f"the depthwise kernel reads int8 or float32 inputs, not {x.dtype}")
     if x.dtype == np.float32 and zero_point:
         raise ValueError("a zero point is subtracted from int8 inputs only")
+    if not (x.flags.c_contiguous and x.flags.writeable):  # DLPack takes neither a strided nor a read-only view
+        x = np.array(x, order="C")
     arrays = (x, taps, out.reshape(-1, *out.shape[-3:]))
     top, left = conv.padding[:2]
     _run(f"depthwise_{kh}x{kw}_{x.dtype}", lambda: _depthwise_func(kh, kw, str(x.dtype)), arrays, *conv.stride,

@@ -48,11 +48,12 @@ def const(value, dtype: str) -> Constant:
     if array.ndim:
         return relax.const(array, dtype)
     key = (dtype, array.tobytes())
-    if key not in _SCALARS:
+    constant = _SCALARS.get(key)
+    if constant is None:
         if len(_SCALARS) > 4096:  # qparams of a few models at a time; bounded all the same
             _SCALARS.clear()
-        _SCALARS[key] = relax.const(array, dtype)
-    return _SCALARS[key]
+        constant = _SCALARS[key] = relax.const(array, dtype)
+    return constant
 
 
 def quantize(expr, q: TensorQ):
