@@ -12,6 +12,7 @@ then returns it in this order.
 from __future__ import annotations
 
 import contextvars
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -154,15 +155,9 @@ def registered_patterns():
     return get_patterns_with_prefix(PREFIX)
 
 
-_REQUIRED: dict = {}
-"""Registered pattern (hashed by identity, as TVM objects are) -> its required ops."""
-
-
-def _required(entry) -> frozenset[str]:
-    known = _REQUIRED.get(entry.pattern)
-    if known is None:
-        known = _REQUIRED[entry.pattern] = required_ops(entry.pattern)
-    return known
+_required = functools.cache(required_ops)
+""":func:`required_ops` of a registered pattern, worked out once (TVM objects hash by identity; the registry
+keeps its patterns alive)."""
 
 
 def patterns_for(mod) -> list:
@@ -171,4 +166,4 @@ def patterns_for(mod) -> list:
     0.1 ms each on a one-layer module, 45 patterns); a pattern whose operator is absent can neither match nor
     reach its check, so leaving it out changes nothing but the time."""
     present = set().union(*(operators(f) for f in mod.functions.values() if isinstance(f, relax.Function)))
-    return [entry for entry in registered_patterns() if _required(entry) <= present]
+    return [entry for entry in registered_patterns() if _required(entry.pattern) <= present]

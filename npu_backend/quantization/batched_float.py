@@ -23,7 +23,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from simulator.isa import Convolution, FeatureMap, Opcode
-from simulator.macs import PREPARED_SUMS, centred_input
+from simulator.macs import PREPARED_SUMS, centred_input, conv2d_operands
 
 from ..relax_exprs import is_call
 from .layers import Layer
@@ -95,9 +95,12 @@ class WeightedPlan:
                 and conv.stride == (1, 1) and conv.padding == (0, 0, 0, 0) and x.flags.c_contiguous)
 
     def _row_matrix(self, w: np.ndarray) -> np.ndarray:
-        """The ``[IC, OC]`` float32 matrix a row-wise layer multiplies each input row by."""
-        return np.ascontiguousarray(w if self.opcode == Opcode.FULLY_CONNECTED else w.reshape(w.shape[0], -1).T,
-                                    np.float32)
+        """The ``[IC, OC]`` float32 matrix a row-wise layer multiplies each input row by: a dense layer's weight
+        as it is, a pointwise convolution's the one matrix :func:`simulator.macs.conv2d_operands` makes of it."""
+        if self.opcode == Opcode.FULLY_CONNECTED:
+            return np.ascontiguousarray(w, np.float32)
+        (matrix,) = conv2d_operands(w, self.conv, np.float32)
+        return matrix
 
     def finished(self, layer: Layer, x: np.ndarray, weight: np.ndarray, bias: np.ndarray | None,
                  totals_only: bool = False):
