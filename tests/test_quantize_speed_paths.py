@@ -8,6 +8,7 @@ TVM computation gives, or the chosen qparams would move.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 
@@ -16,7 +17,7 @@ import pytest
 import tvm
 from tvm import relax
 
-from float_models import float_cnn, float_conv_block
+from float_models import float_cnn, float_conv_block, float_dense_chain
 from npu_backend import NpuError, QConfig
 from npu_backend.quantization import batched_float, calibrate, observers, parallel, steps
 from npu_backend.quantization.calibrate import _float_accumulators
@@ -154,6 +155,43 @@ def test_the_reference_pass_keeps_the_accumulators_totals_and_the_same_outputs(n
     for part, rows in zip(totals.parts, (slice(0, 2), slice(2, 4), slice(4, 5))):
         assert part.tobytes() == np.sum(acc[rows], axis=others, dtype=np.float64).tobytes()
     np.testing.assert_allclose(totals.totals, np.sum(acc, axis=others, dtype=np.float64), rtol=1e-12)
+
+
+@pytest.mark.parametrize("row_wise", ["pointwise channels last", "dense"])
+@pytest.mark.parametrize("totals_only", [False, True])
+def test_a_row_wise_float_layer_is_finished_block_by_block(row_wise, totals_only, monkeypatch):
+    """A pointwise (channels last) or dense float layer forms its sums a block of rows at a time and adds its bias,
+    totals its accumulators and clamps each block while it is in cache. Dyadic inputs and weights make every sum
+    exact in any order, so the blocks must give the unblocked values bit for bit, one total per block."""
+    if row_wise == "dense":
+        (layer,), _ = cut_layers(float_dense_chain([RNG.integers(-16, 17, (24, 10)) / 16], relu=False)["main"])
+        plan = batched_float.plan_weighted(layer)
+        shape = (1, 24)
+    else:
+        layer, _ = _conv_layer(*LAYERS["pointwise NCHW"][:5], **dict(LAYERS["pointwise NCHW"][5]))
+        layer.weight[...] = RNG.integers(-16, 17, layer.weight.shape) / 16
+        plan = dataclasses.replace(batched_float.plan_weighted(layer), channels_first=False)
+        shape = (1, 6, 5, 16)  # the NCHW layer's input, channels last
+    bias = (RNG.integers(-64, 65, layer.bias.shape) / 4).astype(np.float32)
+    x = (RNG.integers(-48, 49, (5, *shape)) / 8).astype(np.float32)
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", x[0].size * 2)  # chunks of 2, 2 and 1 samples
+    rows_per_block = 1 if row_wise == "dense" else 4  # a dense sample is one row
+    monkeypatch.setattr(batched_float, "BLOCK_ELEMENTS", rows_per_block * layer.weight.shape[layer.weight_axis])
+    blocks = []
+    original = batched_float._row_blocks
+    monkeypatch.setattr(batched_float, "_row_blocks", lambda *args: blocks.append(original(*args)) or blocks[-1])
+    acc, out = plan.finished(layer, x, layer.weight, bias, totals_only)
+    rows = x.reshape(-1, shape[-1]) @ plan._row_matrix(np.transpose(layer.weight, plan.weight_order)
+                                                        if plan.conv is not None else layer.weight)
+    want = (rows + bias.reshape(-1)).reshape(out.shape)
+    clamped = want if layer.clamp is None else np.clip(want, np.float32(0), np.float32(6))
+    assert len(blocks) == 3 and sum(len(b) for b in blocks) > 3  # every chunk, cut into blocks
+    assert out.tobytes() == clamped.astype(np.float32).tobytes()
+    if totals_only:
+        assert len(acc.parts) == sum(len(b) for b in blocks) and acc.count == want.size // want.shape[-1]
+        assert acc.totals.tobytes() == want.reshape(-1, want.shape[-1]).sum(axis=0, dtype=np.float64).tobytes()
+    else:
+        assert acc.tobytes() == want.astype(np.float32).tobytes()
 
 
 @pytest.mark.parametrize("name", LAYERS)

@@ -78,7 +78,7 @@ class WeightedPlan:
 
         def chunk(part: slice):
             if matrix is not None:  # ``then`` on blocks of rows a cache holds, each right after its product
-                return _row_blocks(x[part], matrix, out[part], zero_point, then)
+                return _row_blocks(x[part], matrix, out[part], zero_point, lambda block, rows: then(block))
             self._sums_into(x[part], w, out[part], zero_point)
             return None if then is None else [then(out[part])]
 
@@ -114,21 +114,33 @@ class WeightedPlan:
         # channels last (a model's NHWC, or an NCHW layer computed so, storage.py): the bias along the last axis
         b = _bias(layer, bias) if self.channels_first or bias is None else np.asarray(bias, np.float32).reshape(-1)
         others = (0, 1, 3, 4) if self.channels_first else tuple(range(acc.ndim - 1))  # all but the channel axis
+        # a row-wise layer is finished a block of rows at a time, each right after its product, while in cache
+        matrix = self._row_matrix(w) if x.dtype == np.float32 and self._row_wise(x) else None
 
-        def chunk(part):
-            self._sums_into(x[part], w, acc[part])
+        def finish(sums: np.ndarray, finished: np.ndarray | None):
+            """``sums`` (the accumulators' rows, in place) plus the bias, clamped into ``finished`` (None: in
+            place, the output being the accumulator); with ``totals_only``, the accumulators' per-channel totals,
+            read between the two."""
             if not totals_only:
-                finish_into(layer, acc[part], b, acc[part], out[part])
+                finish_into(layer, sums, b, sums, sums if finished is None else finished)
                 return None
-            rows = acc[part]
             if b is not None:
-                np.add(rows, b, out=rows)  # what finish_into adds, before its clamp
-            totals = np.sum(rows, axis=others, dtype=np.float64) if self.channels_first else channel_totals(rows)
+                np.add(sums, b, out=sums)  # what finish_into adds, before its clamp
+            totals = np.sum(sums, axis=others, dtype=np.float64) if self.channels_first else channel_totals(sums)
             if layer.clamp is not None:
-                clamp_into(layer, rows, rows)
+                clamp_into(layer, sums, sums)
             return totals
 
-        parts = run_all(chunk, chunks(len(x), x[0].size))
+        def chunk(part):
+            separate = out is not acc
+            if matrix is not None:
+                flat = out[part].reshape(-1, out.shape[-1])
+                return _row_blocks(x[part], matrix, acc[part], 0,
+                                   lambda block, rows: finish(block, flat[rows] if separate else None))
+            self._sums_into(x[part], w, acc[part])
+            return [finish(acc[part], out[part] if separate else None)]
+
+        parts = [p for block_parts in run_all(chunk, chunks(len(x), x[0].size)) for p in block_parts]
         if totals_only:
             channels = acc.shape[2] if self.channels_first else acc.shape[-1]
             return ChannelTotals(parts, acc.size // channels), out
@@ -275,21 +287,31 @@ def _bias(layer: Layer, bias) -> np.ndarray | None:
 
 
 def _row_blocks(x: np.ndarray, matrix: np.ndarray, dest: np.ndarray, zero_point: int, then) -> list:
-    """``dest = (x - zero_point) @ matrix`` row-wise for an int8 ``x``, :data:`BLOCK_ELEMENTS` outputs at a time,
-    ``then`` called on each block while it is in cache (a sample of an early MobileNetV2 layer is megabytes of
-    sums, which a per-channel pass read back from memory). The sums are exact integers, so they equal those
-    :meth:`WeightedPlan._sums_into` forms at once; float32 products of a block of rows may round otherwise (BLAS
-    cuts them differently), which is why float inputs never come here."""
+    """``dest = (x - zero_point) @ matrix`` row-wise (an int8 ``x`` centred, a float32 one as it is),
+    :data:`BLOCK_ELEMENTS` outputs at a time, ``then(block, rows)`` called on each block (the slice ``rows`` of
+    ``dest``'s flattened rows) while it is in cache: a sample of an early MobileNetV2 layer is megabytes of sums,
+    which each later pass (statistics; the float model's bias, totals and clamp) read back from memory, after
+    BLAS had zeroed them there first.
+
+    An int8 input's sums are exact integers, equal to those :meth:`WeightedPlan._sums_into` forms at once. A
+    float32 block's products may round otherwise than the whole chunk's (OpenBLAS picks its kernels by the
+    number of rows): the same float32 sums in another order, the same for any thread count (the blocks are cut
+    from the chunks, which are fixed). Integer observations never take that path (:meth:`WeightedPlan.sums`)."""
     rows_in, rows_out = x.reshape(-1, x.shape[-1]), dest.reshape(-1, dest.shape[-1])
     step = max(1, BLOCK_ELEMENTS // rows_out.shape[1])
-    centred = np.empty((min(step, len(rows_in)), rows_in.shape[1]), np.float32)
+    centring = x.dtype != np.float32
+    centred = np.empty((min(step, len(rows_in)), rows_in.shape[1]), np.float32) if centring else None
     results = []
     for start in range(0, len(rows_in), step):
-        block, out = rows_in[start:start + step], rows_out[start:start + step]
-        operand = centred[:len(block)]
-        np.subtract(block, np.float32(zero_point), out=operand, dtype=np.float32)
+        rows = slice(start, min(start + step, len(rows_in)))
+        block, out = rows_in[rows], rows_out[rows]
+        if centring:
+            operand = centred[:len(block)]
+            np.subtract(block, np.float32(zero_point), out=operand, dtype=np.float32)
+        else:
+            operand = block
         np.matmul(operand, matrix, out=out)
-        results.append(then(out))
+        results.append(then(out, rows))
     return results
 
 
