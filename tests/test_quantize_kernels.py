@@ -88,6 +88,40 @@ def test_requantize_takes_whole_vectors_of_channels():
     assert not kernels.requantize_applies(10) and not kernels.requantize_applies(3)
 
 
+@pytest.mark.parametrize("clamp", [(-np.inf, np.inf), (0.0, np.inf), (0.0, 6.0)], ids=["none", "relu", "relu6"])
+@pytest.mark.parametrize("shape", [(1, 8), (7, 16), (3, 5, 4, 96), (0, 24)])
+def test_finish_rows_is_numpys_bias_totals_and_clamp(shape, clamp):
+    """One pass: ``values + bias`` in float32, its float64 totals row after row, then the clamp, bit for bit as
+    numpy's three passes give them."""
+    rng = np.random.default_rng(shape[-1] + len(shape))
+    values = (rng.normal(0, 4, shape)).astype(np.float32)
+    bias = rng.normal(0, 2, shape[-1]).astype(np.float32)
+    want = values + bias
+    want_totals = want.reshape(-1, shape[-1]).astype(np.float64).sum(axis=0)
+    want = np.clip(want, np.float32(clamp[0]), np.float32(clamp[1]))
+    got = values.copy()
+    totals = kernels.finish_rows(got, bias, *clamp)
+    assert got.tobytes() == want.tobytes() and totals.tobytes() == want_totals.tobytes()
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (1001, 16), (2, 3, 3, 160)])
+def test_channel_totals_are_the_row_by_row_float64_sums(shape):
+    rng = np.random.default_rng(len(shape))
+    values = rng.normal(0, 1e4, shape).astype(np.float32)
+    want = values.reshape(-1, shape[-1]).astype(np.float64).sum(axis=0)
+    assert kernels.channel_totals(values).tobytes() == want.tobytes()
+
+
+def test_the_channel_kernels_take_contiguous_writable_float32_in_whole_vectors():
+    values = np.zeros((4, 16), np.float32)
+    assert kernels.channels_apply(values)
+    assert not kernels.channels_apply(np.zeros((4, 12), np.float32))  # not whole vectors
+    assert not kernels.channels_apply(np.zeros((4, 16), np.float64))
+    assert not kernels.channels_apply(np.zeros((8, 16), np.float32)[::2])  # strided
+    values.flags.writeable = False
+    assert not kernels.channels_apply(values)
+
+
 @pytest.mark.parametrize("size", [1, 7, 8, 9, 100_003])
 def test_energies_dequantize_as_the_host_does(size):
     """Against the host's own dequantized values the noise is exactly zero (each value dequantized bit for bit as

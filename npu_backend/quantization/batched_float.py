@@ -124,6 +124,9 @@ class WeightedPlan:
             if not totals_only:
                 finish_into(layer, sums, b, sums, sums if finished is None else finished)
                 return None
+            if not self.channels_first and b is not None and kernels.channels_apply(sums):
+                low, high = (-np.inf, np.inf) if layer.clamp is None else layer.clamp
+                return kernels.finish_rows(sums, b, low, high)  # the three passes below, fused
             if b is not None:
                 np.add(sums, b, out=sums)  # what finish_into adds, before its clamp
             totals = np.sum(sums, axis=others, dtype=np.float64) if self.channels_first else channel_totals(sums)
@@ -234,8 +237,11 @@ def folded(values: np.ndarray) -> tuple[np.ndarray, int]:
 
 
 def channel_totals(values: np.ndarray) -> np.ndarray:
-    """Per channel (the last axis), the float64 total of ``values``, over :func:`folded` rows: a fixed order
-    (each of the ``copies`` columns down the rows, then the copies), whatever the thread count."""
+    """Per channel (the last axis), the float64 total of ``values``: compiled, row after row
+    (:func:`.kernels.channel_totals`), or over :func:`folded` rows (each of the ``copies`` columns down the rows,
+    then the copies) where the kernel does not apply; a fixed order either way, whatever the thread count."""
+    if kernels.channels_apply(values):
+        return kernels.channel_totals(values)
     rows, copies = folded(values)
     return np.sum(rows, axis=0, dtype=np.float64).reshape(copies, values.shape[-1]).sum(axis=0)
 
