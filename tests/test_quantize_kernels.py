@@ -188,6 +188,19 @@ def test_depthwise_is_the_einsum_bit_for_bit(channels, size, stride, dilation, k
     assert out.tobytes() == depthwise_sums(centred_input(q, -5, conv.padding, np.float32), w, conv).tobytes()
 
 
+def test_the_depthwise_interior_is_every_output_whose_taps_miss_the_padding():
+    """The outputs the kernel reads unchecked, against every output's taps, for sizes that leave no interior,
+    one output, or all of them."""
+    for size, kernel, stride, dilation, before, after in [(12, 3, 1, 1, 1, 1), (13, 3, 2, 1, 1, 1), (5, 3, 1, 3, 2, 2),
+                                                          (2, 5, 1, 1, 2, 2), (9, 1, 1, 1, 0, 0), (11, 3, 2, 2, 0, 3),
+                                                          (7, 3, 3, 1, 4, 0), (1, 3, 1, 1, 1, 1)]:
+        outputs = (size + before + after - (kernel - 1) * dilation - 1) // stride + 1
+        inside = [o for o in range(outputs)
+                  if all(0 <= o * stride - before + k * dilation < size for k in range(kernel))]
+        first, end = kernels._inner(size, outputs, kernel, stride, dilation, before)
+        assert list(range(first, end)) == inside, (size, kernel, stride, dilation, before, after)
+
+
 @needs_x86
 def test_depthwise_sums_of_integers_are_exact():
     from simulator.macs import centred_input
