@@ -88,28 +88,50 @@ def test_requantize_takes_whole_vectors_of_channels():
     assert not kernels.requantize_applies(10) and not kernels.requantize_applies(3)
 
 
+def _order_sensitive(rng, shape) -> np.ndarray:
+    """float32 values from 2**-40 to 2**40 in magnitude: their float64 total depends on the order of the
+    additions (normal values of one scale would be exact in any order)."""
+    return (rng.choice([-1.0, 1.0], shape) * np.exp2(rng.uniform(-40, 40, shape))).astype(np.float32)
+
+
+def _row_by_row(values: np.ndarray) -> np.ndarray:
+    rows = values.reshape(-1, values.shape[-1]).astype(np.float64)
+    total = np.zeros(rows.shape[1])
+    for row in rows:
+        total += row
+    return total
+
+
 @pytest.mark.parametrize("clamp", [(-np.inf, np.inf), (0.0, np.inf), (0.0, 6.0)], ids=["none", "relu", "relu6"])
-@pytest.mark.parametrize("shape", [(1, 8), (7, 16), (3, 5, 4, 96), (0, 24)])
+@pytest.mark.parametrize("shape", [(1, 8), (97, 16), (3, 5, 4, 96), (0, 24)])
 def test_finish_rows_is_numpys_bias_totals_and_clamp(shape, clamp):
-    """One pass: ``values + bias`` in float32, its float64 totals row after row, then the clamp, bit for bit as
-    numpy's three passes give them."""
+    """One pass: ``values + bias`` in float32, its float64 totals row after row, then numpy's clamp (a NaN stays
+    NaN), bit for bit as numpy's three passes give them."""
     rng = np.random.default_rng(shape[-1] + len(shape))
-    values = (rng.normal(0, 4, shape)).astype(np.float32)
+    values = _order_sensitive(rng, shape)
     bias = rng.normal(0, 2, shape[-1]).astype(np.float32)
+    if values.size:
+        values.reshape(-1)[::7] = np.nan  # NaN past every clamp
+        values.reshape(-1)[3::11] = 7.5
     want = values + bias
-    want_totals = want.reshape(-1, shape[-1]).astype(np.float64).sum(axis=0)
+    want_totals = _row_by_row(want)
     want = np.clip(want, np.float32(clamp[0]), np.float32(clamp[1]))
     got = values.copy()
+    bias.flags.writeable = False  # a read-only bias is copied, not refused
     totals = kernels.finish_rows(got, bias, *clamp)
-    assert got.tobytes() == want.tobytes() and totals.tobytes() == want_totals.tobytes()
+    assert got.tobytes() == want.tobytes()
+    np.testing.assert_array_equal(totals, want_totals)  # NaN where numpy's is
+    assert totals[~np.isnan(totals)].tobytes() == want_totals[~np.isnan(want_totals)].tobytes()
 
 
 @pytest.mark.parametrize("shape", [(1, 8), (1001, 16), (2, 3, 3, 160)])
 def test_channel_totals_are_the_row_by_row_float64_sums(shape):
-    rng = np.random.default_rng(len(shape))
-    values = rng.normal(0, 1e4, shape).astype(np.float32)
-    want = values.reshape(-1, shape[-1]).astype(np.float64).sum(axis=0)
+    values = _order_sensitive(np.random.default_rng(len(shape)), shape)
+    want = _row_by_row(values)
     assert kernels.channel_totals(values).tobytes() == want.tobytes()
+    assert want.tobytes() == values.reshape(-1, shape[-1]).astype(np.float64).sum(axis=0).tobytes()
+    if shape[0] > 1000:  # the test sees the order: backwards, the same values total otherwise
+        assert _row_by_row(values.reshape(-1, shape[-1])[::-1]).tobytes() != want.tobytes()
 
 
 def test_the_channel_kernels_take_contiguous_writable_float32_in_whole_vectors():

@@ -135,7 +135,8 @@ def test_float_layers_are_the_same_on_any_number_of_threads(name, monkeypatch):
         sums2 = plan.sums(x, layer.weight)
     for a, b in ((acc1, acc2), (out1, out2), (sums1, sums2)):
         assert a.tobytes() == b.tobytes()
-    # the fused finish is the unfused one: sums, plus the bias in its own shape, then the clamp, all float32
+    # the fused finish is the unfused one: sums, plus the bias in its own shape, then the clamp, all float32 (none
+    # of these layers is row-wise: those are finished block by block, test_a_row_wise_float_layer_is_finished...)
     bias = layer.bias.astype(np.float32).reshape(layer.bias_shape)
     assert acc1.tobytes() == (sums1 + bias).tobytes()
     assert out1.tobytes() == np.clip(sums1 + bias, np.float32(0), np.float32(6)).tobytes()
@@ -164,7 +165,7 @@ def test_a_row_wise_float_layer_is_finished_block_by_block(row_wise, totals_only
     totals its accumulators and clamps each block while it is in cache. Dyadic inputs and weights make every sum
     exact in any order, so the blocks must give the unblocked values bit for bit, one total per block."""
     if row_wise == "dense":
-        (layer,), _ = cut_layers(float_dense_chain([RNG.integers(-16, 17, (24, 10)) / 16], relu=False)["main"])
+        (layer,), _ = cut_layers(float_dense_chain([RNG.integers(-16, 17, (24, 16)) / 16], relu=False)["main"])
         plan = batched_float.plan_weighted(layer)
         shape = (1, 24)
     else:

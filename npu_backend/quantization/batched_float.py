@@ -73,7 +73,8 @@ class WeightedPlan:
         if x.dtype == np.int8 and self.channels_first:
             raise ValueError("int8 inputs are summed channels last")
         out = buffers.empty(self._out_shape(x, w), np.float32)
-        # int8 only: its sums are exact however the rows are cut; BLAS rounds a float32 block's otherwise
+        # int8 only: exact sums however the rows are cut. A float32 input here is an observation on dequantized
+        # values, summed whole (the float model's pass, finished(), cuts its own blocks)
         matrix = self._row_matrix(w) if then is not None and x.dtype == np.int8 and self._row_wise(x) else None
 
         def chunk(part: slice):
@@ -302,7 +303,8 @@ def _row_blocks(x: np.ndarray, matrix: np.ndarray, dest: np.ndarray, zero_point:
     An int8 input's sums are exact integers, equal to those :meth:`WeightedPlan._sums_into` forms at once. A
     float32 block's products may round otherwise than the whole chunk's (OpenBLAS picks its kernels by the
     number of rows): the same float32 sums in another order, the same for any thread count (the blocks are cut
-    from the chunks, which are fixed). Integer observations never take that path (:meth:`WeightedPlan.sums`)."""
+    from the chunks, which are fixed). Float32 inputs come from the float model's pass alone
+    (:meth:`WeightedPlan.finished`); :meth:`WeightedPlan.sums` blocks int8 inputs only."""
     rows_in, rows_out = x.reshape(-1, x.shape[-1]), dest.reshape(-1, dest.shape[-1])
     step = max(1, BLOCK_ELEMENTS // rows_out.shape[1])
     centring = x.dtype != np.float32
