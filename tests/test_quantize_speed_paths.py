@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -388,3 +389,45 @@ def test_extremes_of_batches_see_a_nan_in_any_batch():
     for parts in (([[1.0, 2.0]], [[np.nan, 5.0]]), ([[np.nan, 2.0]], [[1.0, 5.0]]), ([[1.0, np.inf]],)):
         assert calibration._finite_extremes(batches(*parts)) is None
     assert calibration._finite_extremes(np.array([[0.5, np.nan]], np.float32)) is None
+
+
+def test_run_all_does_not_wait_for_a_pool_thread_busy_with_another_caller():
+    """Two callers share the pool (the walk and the float model's pass): while the pool thread is held by one,
+    the other runs all its items itself and returns, its helper withdrawn rather than waited for."""
+    release, blocked = threading.Event(), threading.Event()
+
+    def held(k):
+        if threading.current_thread().name.startswith("npu-quantize"):  # the pool's helper
+            blocked.set()
+            release.wait(10)
+        else:
+            time.sleep(0.01)  # the caller's items take long enough for the helper to start
+        return k
+
+    with parallel.workers(2):
+        other = threading.Thread(target=lambda: parallel.run_all(held, range(40)))
+        other.start()
+        assert blocked.wait(10)  # the pool thread now holds an item of the other caller's
+        started = time.perf_counter()
+        assert parallel.run_all(lambda k: k * k, range(7)) == [k * k for k in range(7)]
+        assert time.perf_counter() - started < 5 and not release.is_set()
+        release.set()
+        other.join(10)
+    assert not other.is_alive()
+
+
+def test_a_pipeline_stage_shares_the_pool():
+    """The float model's pass (a spawned stage) hands part of its items to the pool, in order either way."""
+    names, done = [], threading.Event()
+
+    def task(k):
+        names.append(threading.current_thread().name)
+        time.sleep(0.01)
+        return -k
+
+    results = []
+    with parallel.workers(2):
+        parallel.spawn(lambda: (results.append(parallel.run_all(task, range(12))), done.set()), "stage")
+        assert done.wait(30)
+    assert results == [[-k for k in range(12)]]
+    assert "stage" in names and any(n.startswith("npu-quantize") for n in names)

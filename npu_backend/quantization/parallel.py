@@ -57,9 +57,10 @@ def run_all(task: Callable, items: Iterable) -> list:
     """``[task(item) for item in items]``, the tasks shared between the caller and ``WORKERS - 1`` pool threads.
 
     Each thread takes the next item until none is left, so the calling thread works too and a slow task holds
-    up no other. Inline when there is one worker or one item, and on a pipeline thread or inside a task (a task
-    never waits for the pool it runs on). An exception is raised here after every task ended (the first item's
-    that failed).
+    up no other. A pool thread busy with another caller's tasks helps once it is free, if anything is left; a
+    helper that has not started when the caller runs out of items is withdrawn, not waited for. Inline when
+    there is one worker or one item, and inside a task (a task never waits for the pool it runs on). An exception
+    is raised here after every task ended (the first item's that failed).
     """
     items = list(items)
     if WORKERS < 2 or len(items) < 2 or getattr(_state, "worker", False):
@@ -77,21 +78,18 @@ def run_all(task: Callable, items: Iterable) -> list:
 
     helpers = [_executor().submit(drain) for _ in range(min(WORKERS - 1, len(items) - 1))]
     drain()
-    wait(helpers)
+    wait([h for h in helpers if not h.cancel()])  # one not started would find nothing left
     if errors:
         raise min(errors, key=lambda e: e[0])[1]
     return results
 
 
 def spawn(target: Callable, name: str) -> threading.Thread:
-    """Start ``target()`` on a daemon thread of its own: a pipeline stage that runs beside the calibration, its
-    numpy work inline (the pool's threads are the calibration's)."""
-
-    def stage() -> None:
-        _mark_worker()
-        target()
-
-    thread = threading.Thread(target=stage, name=name, daemon=True)
+    """Start ``target()`` on a daemon thread of its own: a pipeline stage that runs beside the calibration and
+    shares the pool with it (:func:`run_all`). The float model's pass is one: the walk waits for it at the
+    first layers, the largest, and with its chunks inline a core idled meanwhile (MobileNetV2: 0.57-0.70 s of
+    waiting per calibration, 0.13-0.16 s sharing the pool)."""
+    thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
 
