@@ -148,7 +148,9 @@ def test_the_reference_pass_keeps_the_accumulators_totals_and_the_same_outputs(n
     layer, _ = _conv_layer(*LAYERS[name][:5], **dict(LAYERS[name][5]))
     plan = batched_float.plan_weighted(layer)
     x = RNG.normal(0, 1, (5, *[int(d) for d in layer.inputs[0].ty.shape.values])).astype(np.float32)
-    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", x[0].size * 2)  # chunks of 2, 2 and 1 samples
+    outputs = math.prod(int(d) for d in layer.output.ty.shape.values)
+    # chunks of 2, 2 and 1 samples: a chunk holds so many of the inputs or of the outputs, whichever are more
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", max(x[0].size, outputs) * 2)
     acc, out = plan.finished(layer, x, layer.weight, layer.bias)
     totals, clamped = plan.finished(layer, x, layer.weight, layer.bias, totals_only=True)
     assert clamped.tobytes() == out.tobytes()  # clamped in place: the same float32 values
@@ -176,7 +178,8 @@ def test_a_row_wise_float_layer_is_finished_block_by_block(row_wise, totals_only
         shape = (1, 6, 5, 16)  # the NCHW layer's input, channels last
     bias = (RNG.integers(-64, 65, layer.bias.shape) / 4).astype(np.float32)
     x = (RNG.integers(-48, 49, (5, *shape)) / 8).astype(np.float32)
-    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", x[0].size * 2)  # chunks of 2, 2 and 1 samples
+    outputs = x[0].size // shape[-1] * layer.weight.shape[layer.weight_axis]
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", max(x[0].size, outputs) * 2)  # chunks of 2, 2 and 1
     rows_per_block = 1 if row_wise == "dense" else 4  # a dense sample is one row
     monkeypatch.setattr(batched_float, "BLOCK_ELEMENTS", rows_per_block * layer.weight.shape[layer.weight_axis])
     blocks = []
@@ -431,3 +434,19 @@ def test_a_pipeline_stage_shares_the_pool():
         assert done.wait(30)
     assert results == [[-k for k in range(12)]]
     assert "stage" in names and any(n.startswith("npu-quantize") for n in names)
+
+
+@pytest.mark.parametrize("count, size", [(100, 12544), (100, 7840), (100, 1 << 21), (7, 1 << 19), (1, 5), (0, 9),
+                                         (97, 1 << 14)])
+def test_chunks_cover_the_batch_in_near_equal_parts_whatever_the_threads(count, size):
+    """At most CHUNK_ELEMENTS values a chunk (or one sample), the parts of one size but for a shorter last one
+    (never 83 then 17), the same on one thread or eight."""
+    with parallel.workers(1):
+        parts = batched_float.chunks(count, size)
+    with parallel.workers(8):
+        assert batched_float.chunks(count, size) == parts
+    assert [k for p in parts for k in range(p.start, p.stop)] == list(range(count))
+    sizes = [p.stop - p.start for p in parts]
+    assert all(s * size <= batched_float.CHUNK_ELEMENTS for s in sizes) or sizes == [1] * count
+    assert len(set(sizes[:-1])) <= 1 and (not sizes or sizes[-1] <= sizes[0])
+    assert not sizes or len(sizes) == -(-count // max(1, batched_float.CHUNK_ELEMENTS // size))
