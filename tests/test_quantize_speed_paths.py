@@ -394,38 +394,47 @@ def test_extremes_of_batches_see_a_nan_in_any_batch():
     assert calibration._finite_extremes(np.array([[0.5, np.nan]], np.float32)) is None
 
 
+def _on_the_pool() -> bool:
+    return threading.current_thread().name.startswith("npu-quantize_")  # the pool's threads, not the deferred one
+
+
 def test_run_all_does_not_wait_for_a_pool_thread_busy_with_another_caller():
     """Two callers share the pool (the walk and the float model's pass): while the pool thread is held by one,
     the other runs all its items itself and returns, its helper withdrawn rather than waited for."""
     release, blocked = threading.Event(), threading.Event()
 
     def held(k):
-        if threading.current_thread().name.startswith("npu-quantize"):  # the pool's helper
+        if _on_the_pool():
             blocked.set()
             release.wait(10)
         else:
-            time.sleep(0.01)  # the caller's items take long enough for the helper to start
+            blocked.wait(10)  # the caller's items wait until the pool's helper has taken one
         return k
 
     with parallel.workers(2):
         other = threading.Thread(target=lambda: parallel.run_all(held, range(40)))
         other.start()
-        assert blocked.wait(10)  # the pool thread now holds an item of the other caller's
-        started = time.perf_counter()
-        assert parallel.run_all(lambda k: k * k, range(7)) == [k * k for k in range(7)]
-        assert time.perf_counter() - started < 5 and not release.is_set()
-        release.set()
-        other.join(10)
+        try:
+            assert blocked.wait(10)  # the pool thread now holds an item of the other caller's
+            started = time.perf_counter()
+            assert parallel.run_all(lambda k: k * k, range(7)) == [k * k for k in range(7)]
+            assert time.perf_counter() - started < 5 and not release.is_set()
+        finally:
+            release.set()
+            other.join(10)
     assert not other.is_alive()
 
 
 def test_a_pipeline_stage_shares_the_pool():
     """The float model's pass (a spawned stage) hands part of its items to the pool, in order either way."""
-    names, done = [], threading.Event()
+    names, pooled, done = [], threading.Event(), threading.Event()
 
     def task(k):
         names.append(threading.current_thread().name)
-        time.sleep(0.01)
+        if _on_the_pool():
+            pooled.set()
+        else:
+            pooled.wait(10)  # the stage's own items wait until the pool has taken one
         return -k
 
     results = []
@@ -433,20 +442,58 @@ def test_a_pipeline_stage_shares_the_pool():
         parallel.spawn(lambda: (results.append(parallel.run_all(task, range(12))), done.set()), "stage")
         assert done.wait(30)
     assert results == [[-k for k in range(12)]]
-    assert "stage" in names and any(n.startswith("npu-quantize") for n in names)
+    assert "stage" in names and any(n.startswith("npu-quantize_") for n in names)
 
 
-@pytest.mark.parametrize("count, size", [(100, 12544), (100, 7840), (100, 1 << 21), (7, 1 << 19), (1, 5), (0, 9),
-                                         (97, 1 << 14)])
-def test_chunks_cover_the_batch_in_near_equal_parts_whatever_the_threads(count, size):
-    """At most CHUNK_ELEMENTS values a chunk (or one sample), the parts of one size but for a shorter last one
-    (never 83 then 17), the same on one thread or eight."""
+@pytest.mark.parametrize("count, size, sizes", [
+    (100, (1 << 20) // 83, [50, 50]),  # not 83 and 17
+    (13, (1 << 20) // 3, [3, 3, 3, 2, 2]),  # not 3, 3, 3, 3, 1
+    (100, (1 << 20) // 16, [15] * 2 + [14] * 5),  # not 16 x 6 and 4
+    (10, (1 << 20) // 4, [4, 3, 3]), (7, 1 << 21, [1] * 7), (3, 5, [3]), (0, 9, [])])
+def test_chunks_cover_the_batch_in_near_equal_parts_whatever_the_threads(count, size, sizes):
+    """At most CHUNK_ELEMENTS values a chunk (or one sample), as few chunks as that allows, their sizes one
+    sample apart at most and the larger first; the same on one thread or eight."""
     with parallel.workers(1):
         parts = batched_float.chunks(count, size)
     with parallel.workers(8):
         assert batched_float.chunks(count, size) == parts
+    assert [p.stop - p.start for p in parts] == sizes
     assert [k for p in parts for k in range(p.start, p.stop)] == list(range(count))
-    sizes = [p.stop - p.start for p in parts]
-    assert all(s * size <= batched_float.CHUNK_ELEMENTS for s in sizes) or sizes == [1] * count
-    assert len(set(sizes[:-1])) <= 1 and (not sizes or sizes[-1] <= sizes[0])
-    assert not sizes or len(sizes) == -(-count // max(1, batched_float.CHUNK_ELEMENTS // size))
+
+
+def test_a_weighted_layer_is_chunked_by_its_inputs_or_outputs_whichever_are_more(monkeypatch):
+    """A pointwise layer widening 16 channels to 24 is cut by its outputs' size, in its sums as in its finish."""
+    layer, _ = _conv_layer(*LAYERS["pointwise NCHW"][:5], **dict(LAYERS["pointwise NCHW"][5]))
+    plan = dataclasses.replace(batched_float.plan_weighted(layer), channels_first=False)
+    x = RNG.normal(0, 1, (5, 1, 6, 5, 16)).astype(np.float32)
+    seen = []
+    original = batched_float.chunks
+    monkeypatch.setattr(batched_float, "chunks", lambda count, size: seen.append(size) or original(count, size))
+    plan.sums(x, layer.weight)
+    plan.sums(np.zeros(x.shape, np.int8), layer.weight.astype(np.float32), then=lambda block: None, zero_point=3)
+    plan.finished(layer, x, layer.weight, layer.bias)
+    assert seen == [6 * 5 * 24] * 3
+
+
+def test_run_all_on_a_stage_survives_the_thread_count_changing_on_another_thread():
+    """The stage and the caller of workers() both reach the pool: a pool remade for another size must not be
+    shut down under a submission (once 1,791 'cannot schedule new futures after shutdown' errors in 3 s)."""
+    errors, stop = [], threading.Event()
+
+    def stage():
+        while not stop.is_set():
+            try:
+                assert parallel.run_all(lambda k: k + 1, range(6)) == list(range(1, 7))
+            except BaseException as error:  # noqa: BLE001 - collected for the assertion below
+                errors.append(error)
+
+    with parallel.workers(2):
+        thread = parallel.spawn(stage, "stage")
+        deadline = time.perf_counter() + 1.0
+        while time.perf_counter() < deadline:
+            for count in (3, 1, 2):
+                with parallel.workers(count):
+                    time.sleep(0.001)
+        stop.set()
+        thread.join(10)
+    assert not thread.is_alive() and errors == []

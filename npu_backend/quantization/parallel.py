@@ -42,15 +42,19 @@ def _mark_worker() -> None:
     _state.worker = True
 
 
-def _executor() -> ThreadPoolExecutor:
+def _helpers(size: int, drain: Callable, count: int) -> list[Future]:
+    """``count`` runs of ``drain`` submitted to the pool of ``size`` threads (made, or remade for another size,
+    here). Under the lock: the calibration's main thread and the float model's pass both submit, and one must not
+    shut down the pool the other is submitting to. A replaced pool still runs what it was given."""
     global _pool
     with _pool_lock:
-        if _pool is None or _pool[0] != WORKERS - 1:
-            if _pool is not None:
-                _pool[1].shutdown(wait=False)  # its threads end once idle
-            _pool = (WORKERS - 1, ThreadPoolExecutor(max_workers=WORKERS - 1, thread_name_prefix="npu-quantize",
-                                                     initializer=_mark_worker))
-        return _pool[1]
+        if _pool is None or _pool[0] != size:
+            previous = _pool
+            _pool = (size, ThreadPoolExecutor(max_workers=size, thread_name_prefix="npu-quantize",
+                                              initializer=_mark_worker))
+            if previous is not None:
+                previous[1].shutdown(wait=False)  # its threads end once idle
+        return [_pool[1].submit(drain) for _ in range(count)]
 
 
 def run_all(task: Callable, items: Iterable) -> list:
@@ -59,11 +63,12 @@ def run_all(task: Callable, items: Iterable) -> list:
     Each thread takes the next item until none is left, so the calling thread works too and a slow task holds
     up no other. A pool thread busy with another caller's tasks helps once it is free, if anything is left; a
     helper that has not started when the caller runs out of items is withdrawn, not waited for. Inline when
-    there is one worker or one item, and inside a task (a task never waits for the pool it runs on). An exception
-    is raised here after every task ended (the first item's that failed).
+    there is one worker or one item, and on a pool thread or the deferred thread (a task there never waits for
+    the pool it runs on). An exception is raised here after every task ended (the first item's that failed).
     """
     items = list(items)
-    if WORKERS < 2 or len(items) < 2 or getattr(_state, "worker", False):
+    workers = WORKERS  # read once: workers() may change it on another thread meanwhile
+    if workers < 2 or len(items) < 2 or getattr(_state, "worker", False):
         return [task(item) for item in items]
     results: list = [None] * len(items)
     errors: list = []
@@ -76,7 +81,7 @@ def run_all(task: Callable, items: Iterable) -> list:
             except BaseException as error:  # noqa: BLE001 - re-raised by the caller below
                 errors.append((k, error))
 
-    helpers = [_executor().submit(drain) for _ in range(min(WORKERS - 1, len(items) - 1))]
+    helpers = _helpers(workers - 1, drain, min(workers - 1, len(items) - 1))
     drain()
     wait([h for h in helpers if not h.cancel()])  # one not started would find nothing left
     if errors:
@@ -86,9 +91,9 @@ def run_all(task: Callable, items: Iterable) -> list:
 
 def spawn(target: Callable, name: str) -> threading.Thread:
     """Start ``target()`` on a daemon thread of its own: a pipeline stage that runs beside the calibration and
-    shares the pool with it (:func:`run_all`). The float model's pass is one: the walk waits for it at the
-    first layers, the largest, and with its chunks inline a core idled meanwhile (MobileNetV2: 0.57-0.70 s of
-    waiting per calibration, 0.13-0.16 s sharing the pool)."""
+    shares the pool with it (:func:`run_all`), so that up to ``WORKERS + 1`` threads compute at once. The float
+    model's pass is one: the walk waits for it at the first layers, the largest, and with the stage's chunks
+    inline on its own thread a core idled meanwhile."""
     thread = threading.Thread(target=target, name=name, daemon=True)
     thread.start()
     return thread
