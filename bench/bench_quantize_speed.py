@@ -165,7 +165,7 @@ def instrument() -> Phases:
     import npu_backend.partition as partition
     import npu_backend.quantization as quantization
     import simulator.batch as batch
-    from npu_backend.quantization import batched_float, integer_sums, observers, parallel, steps
+    from npu_backend.quantization import batched_float, integer_sums, kernels, observers, parallel, steps
 
     calibrate = sys.modules["npu_backend.quantization.calibrate"]  # the package's calibrate() shadows it
     from simulator.isa import Opcode
@@ -175,10 +175,11 @@ def instrument() -> Phases:
         (npu_backend.frontend.LOADERS, ".onnx", "import (TVM's ONNX importer)"),
         (quantization, "cut_layers", "layer cut"),
         (batched_float.WeightedPlan, "_sums_into", "conv/matmul sums, float and integer"),
-        (batched_float, "_row_blocks", "conv/matmul sums, float and integer"),  # row-wise integer sums, blocked
+        (batched_float, "_row_blocks", "conv/matmul sums, float and integer"),  # row-wise sums, blocked
         (integer_sums, "_channel_extremes", "integer sums: channel statistics"),
         (integer_sums, "channel_totals", "integer sums: channel statistics"),
         (batched_float, "finish_into", "float bias, clamp"),
+        (kernels, "finish_rows", "float bias, clamp"),  # the float pass's fused finish (bias, totals, clamp)
         (steps.ElementwiseLayer, "run", "float elementwise layers (numpy)"),
         (steps.FloatLayers, "run", "float layers on TVM, per sample"),
         (steps._ReferenceState, "take", "walk: waiting for the float reference"),

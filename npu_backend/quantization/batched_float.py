@@ -145,8 +145,9 @@ class WeightedPlan:
                 clamp_into(layer, sums, sums)
             return totals
 
+        separate = out is not acc
+
         def chunk(part):
-            separate = out is not acc
             if matrix is not None:
                 flat = out[part].reshape(-1, out.shape[-1])
                 return _row_blocks(x[part], matrix, acc[part], 0,

@@ -100,10 +100,16 @@ def energies(reference: np.ndarray, values: np.ndarray, scale: float, zero_point
 
 
 def channels_apply(values: np.ndarray) -> bool:
-    """Whether :func:`finish_rows` and :func:`channel_totals` take ``values``: channels last in whole vectors
-    of :data:`LANES`, contiguous and writable (DLPack takes neither a strided nor a read-only view)."""
-    return (values.ndim >= 1 and values.shape[-1] % LANES == 0 and values.dtype == np.float32
-            and values.flags.c_contiguous and values.flags.writeable)
+    """Whether :func:`finish_rows` and :func:`channel_totals` take ``values``: float32 channels last in whole
+    vectors of :data:`LANES` (:func:`requantize_applies`), as DLPack takes them (:func:`_dlpack_ready`)."""
+    return (values.ndim >= 1 and values.dtype == np.float32 and requantize_applies(values.shape[-1])
+            and _dlpack_ready(values))
+
+
+def _dlpack_ready(array: np.ndarray) -> bool:
+    """Whether ``array`` can be handed to a kernel as it is: DLPack takes neither a strided nor a read-only
+    view."""
+    return array.flags.c_contiguous and array.flags.writeable
 
 
 def finish_rows(values: np.ndarray, bias: np.ndarray, low: float, high: float) -> np.ndarray:
@@ -154,7 +160,7 @@ def depthwise(x: np.ndarray, weights: np.ndarray, conv, out: np.ndarray, zero_po
         raise ValueError(f"the depthwise kernel reads int8 or float32 inputs, not {x.dtype}")
     if x.dtype == np.float32 and zero_point:
         raise ValueError("a zero point is subtracted from int8 inputs only")
-    if not (x.flags.c_contiguous and x.flags.writeable):  # DLPack takes neither a strided nor a read-only view
+    if not _dlpack_ready(x):
         x = np.array(x, order="C")
     arrays = (x, taps, out.reshape(-1, *out.shape[-3:]))
     top, left = conv.padding[:2]
