@@ -38,9 +38,10 @@ x86's ``-fma`` attribute guarantees, so :func:`depthwise` is used on x86-64 alon
 
 Otherwise a kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so
 an FMA or any order gives the same values), so it is the same whatever the compiler does with the loop. Each is
-compiled once per process, at first use (0.05 to 0.25 s), with symbolic sizes: one kernel for every tensor (a
-depthwise one per kernel size and input type, strides, dilations, padding and zero point its arguments). A call
-releases the GIL, so the worker threads of :mod:`.parallel` run kernels side by side.
+compiled at first use (0.1 to 1.2 s; then kept on disk for later processes, :mod:`.kernel_cache`), with symbolic
+sizes: one kernel for every tensor (a depthwise one per kernel size and input type, strides, dilations, padding
+and zero point its arguments). A call releases the GIL, so the worker threads of :mod:`.parallel` run kernels side
+by side.
 """
 
 from __future__ import annotations
@@ -50,6 +51,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+
+from . import kernel_cache
 
 LANES = 8
 """Channels :func:`requantize`, :func:`finish_rows` and :func:`channel_totals` take a vector at a time (and the
@@ -213,7 +216,7 @@ def _compile(name: str, make):
     if _NO_FMA is not None:
         target["mattr"] = _NO_FMA
     module = tvm.IRModule({name: make().with_attr("global_symbol", name)})
-    return tvm.compile(module, target=tvm.target.Target(target))[name]
+    return kernel_cache.compiled(name, module, tvm.target.Target(target))
 
 
 def _byte_counts_func():
