@@ -35,7 +35,7 @@ from .observers import (Batches, RangeRequest, TensorStats, activation_qparams, 
 from .rewrite import TensorQ, WeightQ
 from .batched_float import ChannelTotals, HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
-from . import buffers, headroom, kernels, reconstruct, storage
+from . import batched_float, buffers, headroom, kernels, reconstruct, storage
 from .parallel import Deferred, run_all
 from .steps import Centred, FloatLayers, NpuLayer, ReferencePass, centre_host, dequantize_host, quantize_host
 
@@ -98,9 +98,12 @@ class _Energy:
 
     def add_quantized(self, references: np.ndarray, values: np.ndarray, q: TensorQ) -> None:
         """:meth:`add_samples` with the dequantized int8 ``values`` (:func:`.steps.dequantize_host`'s float32
-        values), each sample's energies in one compiled pass (:func:`_quantized_energies`)."""
-        for signal, noise in run_all(lambda n: _quantized_energies(references[n], values[n], q),
-                                     range(len(references))):
+        values): each chunk of samples (:func:`.batched_float.chunks`: fixed by the batch and the sample size, so
+        the sums are the same for any thread count) in one compiled pass (:func:`_quantized_energies`), the
+        chunks' energies added in order. A pass per sample cost a pool task and a kernel call each, 100 per
+        layer; a 7x7 layer's whole batch is one chunk."""
+        parts = batched_float.chunks(len(references), references[0].size) if len(references) else []
+        for signal, noise in run_all(lambda part: _quantized_energies(references[part], values[part], q), parts):
             self.signal += signal
             self.noise += noise
             self.measured = True
