@@ -1,4 +1,5 @@
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -32,3 +33,18 @@ def tflite_manifest(imports: bool = True) -> list[dict]:
 @pytest.fixture(scope="session")
 def fixtures_dir() -> Path:
     return FIXTURES
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_kernel_cache(tmp_path_factory):
+    """Compiled calibration kernels go to a directory of the test session's own, not the user's cache: the
+    suite compiles what it tests, and leaves nothing behind."""
+    from npu_backend.quantization.kernel_cache import CACHE_ENV
+
+    previous = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("kernel-cache"))
+    yield
+    if previous is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = previous

@@ -1,6 +1,11 @@
 """The on-disk cache of compiled calibration kernels: later processes load what the first compiled, a changed
 kernel or target is compiled afresh, and a cache that cannot be used never stops a kernel from running."""
 
+import logging
+import os
+import time
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tvm
@@ -141,3 +146,80 @@ def test_calibration_kernels_go_through_the_cache(cache, monkeypatch):
     _no_compiling(monkeypatch)
     np.testing.assert_array_equal(kernels.byte_counts(values), want)
     np.testing.assert_array_equal(want, np.bincount(values.view(np.uint8), minlength=256))
+
+
+@pytest.mark.parametrize("part", ["tvm", "tvm_ffi", "machine"])
+def test_the_key_covers_tvm_tvm_ffi_and_the_machine(part, monkeypatch):
+    import platform
+
+    import tvm_ffi
+
+    before = kernel_cache.key(_module(2.0), TARGET)
+    if part == "machine":
+        monkeypatch.setattr(platform, "machine", lambda: "elsewhere")
+    else:
+        monkeypatch.setattr(tvm if part == "tvm" else tvm_ffi, "__version__", "0.0.0-other")
+    assert kernel_cache.key(_module(2.0), TARGET) != before
+
+
+def test_an_unreadable_cache_entry_still_runs_the_kernel(cache, monkeypatch):
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "is_file", refuse)
+    func = kernel_cache.compiled("scaled", _module(2.0), TARGET)
+    np.testing.assert_array_equal(_apply(func, np.ones(3, np.float32)), np.full(3, 2, np.float32))
+
+
+def test_no_home_directory_still_runs_the_kernel(monkeypatch):
+    def homeless():
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv(kernel_cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setattr(Path, "home", homeless)
+    func = kernel_cache.compiled("scaled", _module(2.0), TARGET)
+    np.testing.assert_array_equal(_apply(func, np.ones(3, np.float32)), np.full(3, 2, np.float32))
+
+
+@pytest.mark.skipif(not hasattr(os, "getuid"), reason="no file owners on this platform")
+@pytest.mark.parametrize("loosened", ["file", "directory"])
+def test_a_library_others_may_write_is_not_loaded(loosened, cache, monkeypatch):
+    kernel_cache.compiled("scaled", _module(2.0), TARGET)
+    path = kernel_cache.library_path(cache, "scaled", _module(2.0), TARGET)
+    target = path if loosened == "file" else cache
+    target.chmod(target.stat().st_mode | 0o020)  # group-writable
+    compiles = []
+    real_compile = tvm.compile
+    monkeypatch.setattr(tvm, "compile", lambda *a, **k: compiles.append(1) or real_compile(*a, **k))
+    func = kernel_cache.compiled("scaled", _module(2.0), TARGET)
+    assert compiles == [1]
+    np.testing.assert_array_equal(_apply(func, np.ones(3, np.float32)), np.full(3, 2, np.float32))
+
+
+def test_the_cache_directory_is_private(cache):
+    kernel_cache.compiled("scaled", _module(2.0), TARGET)
+    assert cache.stat().st_mode & 0o077 == 0
+
+
+def test_a_killed_exports_temporary_is_removed_later(cache):
+    cache.mkdir(parents=True)
+    stale, fresh = cache / ".scaled-abc-stale.so", cache / ".scaled-abc-fresh.so"
+    for leftover in (stale, fresh):
+        leftover.write_bytes(b"part of a library")
+    old = time.time() - 2 * kernel_cache.STALE_SECONDS
+    os.utime(stale, (old, old))
+    kernel_cache.compiled("scaled", _module(2.0), TARGET)
+    assert not stale.exists() and fresh.exists()  # one being written by another process right now stays
+
+
+def test_the_first_failure_is_logged_as_a_warning(cache, monkeypatch, caplog):
+    monkeypatch.setattr(kernel_cache, "_warned", False)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text("a file where the directory should be")
+    with caplog.at_level(logging.DEBUG, logger=kernel_cache.__name__):
+        kernel_cache.compiled("scaled", _module(2.0), TARGET)
+        kernel_cache.compiled("scaled", _module(3.0), TARGET)
+    levels = [r.levelno for r in caplog.records]
+    assert levels == [logging.WARNING, logging.DEBUG]
+    assert kernel_cache.CACHE_ENV in caplog.records[0].getMessage()
