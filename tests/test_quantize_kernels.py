@@ -124,6 +124,26 @@ def test_finish_rows_is_numpys_bias_totals_and_clamp(shape, clamp):
     assert totals[~np.isnan(totals)].tobytes() == want_totals[~np.isnan(want_totals)].tobytes()
 
 
+@pytest.mark.parametrize("clamp", [(-np.inf, np.inf), (0.0, np.inf), (-0.0, 6.0), (-6.0, 6.0), (6.0, 6.0)])
+def test_finish_rows_clamps_special_values_as_numpy_does(clamp):
+    """Infinities, signed zeros, values on a bound and next to it, NaN: as ``np.clip`` gives them (a zero's sign
+    aside, on which numpy's own loops disagree)."""
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 6.0, -6.0, np.nextafter(np.float32(6), 7),
+                        np.nextafter(np.float32(6), 5), 7.5, -1.0, 3.4e38, -3.4e38, 1e-45, -1e-45, 2.0],
+                       np.float32)
+    values = np.tile(special, (3, 1)).reshape(6, 8)
+    for bias in (np.zeros(8, np.float32), np.full(8, -0.0, np.float32)):
+        got = values.copy()
+        kernels.finish_rows(got, bias, *clamp)
+        np.testing.assert_array_equal(got, np.clip(values + bias, np.float32(clamp[0]), np.float32(clamp[1])))
+
+
+@pytest.mark.parametrize("clamp", [(0.0, np.nan), (np.nan, 6.0)])
+def test_a_nan_bound_is_left_to_numpy(clamp):
+    assert not kernels.finish_rows_applies(np.zeros((2, 8), np.float32), *clamp)
+    assert kernels.finish_rows_applies(np.zeros((2, 8), np.float32), 0.0, 6.0)
+
+
 @pytest.mark.parametrize("shape", [(1, 8), (1001, 16), (2, 3, 3, 160)])
 def test_channel_totals_are_the_row_by_row_float64_sums(shape):
     values = _order_sensitive(np.random.default_rng(len(shape)), shape)

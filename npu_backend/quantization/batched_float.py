@@ -135,8 +135,8 @@ class WeightedPlan:
             if not totals_only:
                 finish_into(layer, sums, b, sums, sums if finished is None else finished)
                 return None
-            if not self.channels_first and b is not None and kernels.channels_apply(sums):
-                low, high = (-np.inf, np.inf) if layer.clamp is None else layer.clamp
+            low, high = (-np.inf, np.inf) if layer.clamp is None else layer.clamp
+            if not self.channels_first and b is not None and kernels.finish_rows_applies(sums, low, high):
                 return kernels.finish_rows(sums, b, low, high)  # the three passes below, fused
             if b is not None:
                 np.add(sums, b, out=sums)  # what finish_into adds, before its clamp

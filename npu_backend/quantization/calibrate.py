@@ -100,8 +100,8 @@ class _Energy:
         """:meth:`add_samples` with the dequantized int8 ``values`` (:func:`.steps.dequantize_host`'s float32
         values): each chunk of samples (:func:`.batched_float.chunks`: fixed by the batch and the sample size, so
         the sums are the same for any thread count) in one compiled pass (:func:`_quantized_energies`), the
-        chunks' energies added in order. A pass per sample cost a pool task and a kernel call each, 100 per
-        layer; a 7x7 layer's whole batch is one chunk."""
+        chunks' energies added in order. A kernel call per sample had cost 100 calls a layer, most of a small
+        layer's time; a 7x7 layer's whole batch is one chunk."""
         parts = batched_float.chunks(len(references), references[0].size) if len(references) else []
         for signal, noise in run_all(lambda part: _quantized_energies(references[part], values[part], q), parts):
             self.signal += signal

@@ -115,6 +115,12 @@ def _dlpack_ready(array: np.ndarray) -> bool:
     return array.flags.c_contiguous and array.flags.writeable
 
 
+def finish_rows_applies(values: np.ndarray, low: float, high: float) -> bool:
+    """Whether :func:`finish_rows` takes ``values`` (:func:`channels_apply`) and clamps to ``[low, high]`` as
+    ``np.clip`` does: not for a NaN bound, which ``np.clip`` turns every value into and the kernel ignores."""
+    return channels_apply(values) and not (np.isnan(low) or np.isnan(high))
+
+
 def finish_rows(values: np.ndarray, bias: np.ndarray, low: float, high: float) -> np.ndarray:
     """``values += bias``, their float64 total per channel, then ``values`` clamped to ``[low, high]``, in place
     and in one pass (numpy takes three, the totals through a float64 copy of each block): ``values`` float32,
