@@ -210,17 +210,31 @@ def _rewrite_float_activation(graph: "_GraphFacts"):
         if qp is None or str(orig.attrs.out_dtype) != "int8":
             return orig
         activation = matched[relu] if relu in matched else matched[clip]
-        high = 127
+        low, top = 0.0, float("inf")
         if is_call(activation, "relax.clip"):
             low, top = (float(getattr(a.value, "value", a.value)) for a in activation.args[1:3])
-            scaled = float(np.float32(top) / np.float32(qp.scale))
-            if low != 0.0 or scaled - np.floor(scaled) == 0.5:
-                return orig
-            high = int(min(127, max(-128, np.rint(scaled) + qp.zero_point)))
-        low_q = max(-128, min(127, qp.zero_point))
-        return relax.op.clip(_requantized_like(orig, matched[y]), float(low_q), float(high))
+        bounds = quantized_activation(low, top, qp.scale, qp.zero_point)
+        if bounds is None:
+            return orig
+        return relax.op.clip(_requantized_like(orig, matched[y]), float(bounds[0]), float(bounds[1]))
 
     return root, rewriter
+
+
+def quantized_activation(low: float, top: float, scale: float, zero_point: int) -> tuple[int, int] | None:
+    """The int8 clamp ``[z, q(top)]`` that a float activation ``clip(y, low, top)`` (ReLU: ``top`` infinite)
+    becomes in front of ``quantize(., scale, zero_point)``, or None where it stays a float op: a lower bound other
+    than 0, or an upper one whose scaled value is a rounding tie. The rewrite above applies it; calibration
+    predicts a layer's record with it (:mod:`npu_backend.quantization.predicted`)."""
+    if low != 0.0:
+        return None
+    high = 127
+    if top != float("inf"):
+        scaled = float(np.float32(top) / np.float32(scale))
+        if scaled - np.floor(scaled) == 0.5:
+            return None
+        high = int(min(127, max(-128, np.rint(scaled) + zero_point)))
+    return max(-128, min(127, zero_point)), high
 
 
 def _rewrite_identity_requantize(graph: "_GraphFacts"):

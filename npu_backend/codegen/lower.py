@@ -23,8 +23,8 @@ from ..params import OPERANDS_ATTR, ConvParams, TransposeParams
 from .graph import GraphLayer, RegionGraph, Tensor, lower_graph, lower_layer
 from .programs import MacProgram, Operand, row_program
 
-__all__ = ["lower_layer", "lower_region", "lower_module", "npu_regions", "region_graph", "mac_layer", "MacLayer",
-           "CONFIG_ATTR"]
+__all__ = ["lower_layer", "lower_region", "lower_module", "npu_regions", "region_graph", "mac_layer", "mac_layer_of",
+           "MacLayer", "CONFIG_ATTR"]
 
 CONFIG_ATTR = "npu.config"
 """Region attribute: the JSON of the ``NpuConfig`` the region was partitioned for."""
@@ -111,13 +111,21 @@ def mac_layer(func: relax.Function, symbol: str) -> MacLayer | None:
     if len(macs) != 1 or not all(isinstance(g.params, (ConvParams, TransposeParams)) for g in graph.layers):
         return None
     (layer,) = macs
-    reason, _, prepared = check(op_def(layer.params.op), layer.params, config)
+    return mac_layer_of(layer.params, config, layer.name, list(layer.operands))
+
+
+def mac_layer_of(params: ConvParams, config: NpuConfig, name: str = "mac", operands: list | None = None
+                 ) -> MacLayer | None:
+    """:func:`mac_layer` of a record alone: the layer's legality check, row program and whole-layer command, as the
+    region's lowering derives them from its record (calibration predicts a layer's record and reads its outputs
+    from this before the layer's own module is built, :mod:`npu_backend.quantization.predicted`)."""
+    reason, _, prepared = check(op_def(params.op), params, config)
     if reason is not None:
         return None
-    program = row_program(layer.params, prepared, list(layer.operands))
+    program = row_program(params, prepared, [None] if operands is None else operands)
     if not isinstance(program, MacProgram):
         return None
     g = program.g
-    whole = program.command(layer.name, 0, g.out_height, 0, g.out_channels,
+    whole = program.command(name, 0, g.out_height, 0, g.out_channels,
                             [Operand(0, program.window(0, 0, g.out_height))], 0, [0, 0])
-    return MacLayer(program.opcode, whole.payload, layer.params, program.table, config)
+    return MacLayer(program.opcode, whole.payload, params, program.table, config)

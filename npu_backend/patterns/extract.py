@@ -72,6 +72,11 @@ def _clamp(annotations: Mapping[str, relax.Expr], bounds: tuple[int, int] = (-12
     if clip is None:
         return bounds
     low, high = (float(getattr(arg.value, "value", arg.value)) for arg in clip.args[1:3])
+    return integer_clamp(low, high, bounds)
+
+
+def integer_clamp(low: float, high: float, bounds: tuple[int, int] = (-128, 127)) -> tuple[int, int]:
+    """A clip's float bounds as the integers it lets through, within ``bounds``."""
     return (max(bounds[0], int(np.ceil(low))), min(bounds[1], int(np.floor(high))))
 
 
@@ -207,7 +212,7 @@ def _conv_common(annotations, op: NpuOp) -> ConvParams:
         clamp=_clamp(annotations, ACTIVATION_RANGES[activation_type]),
         kernel=(int(weights.shape[1]), int(weights.shape[2])),
         strides=tuple(int(s) for s in attrs.strides), dilation=tuple(int(d) for d in attrs.dilation),
-        padding=padding, rounding=Rounding.TFLITE_DOUBLE, activation_type=activation_type)
+        padding=padding, rounding=mac_rounding(op, per_channel), activation_type=activation_type)
 
 
 def extract_conv2d(annotations: Mapping[str, relax.Expr]) -> ConvParams:
@@ -218,9 +223,14 @@ def extract_depthwise_conv2d(annotations: Mapping[str, relax.Expr]) -> ConvParam
     return _conv_common(annotations, NpuOp.DEPTHWISE_CONV2D)
 
 
+def mac_rounding(op: NpuOp, per_channel: bool) -> Rounding:
+    """A MAC layer's requantization as TFLite's reference kernels do it: per-channel weights select
+    ``Rounding.FLOAT64`` for FULLY_CONNECTED (its kernel requantizes in double, not with fixed-point multipliers),
+    fixed point otherwise."""
+    return Rounding.FLOAT64 if op == NpuOp.FULLY_CONNECTED and per_channel else Rounding.TFLITE_DOUBLE
+
+
 def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams:
-    """Per-channel weights select ``Rounding.FLOAT64``: TFLite's reference kernel for a
-    per-channel FULLY_CONNECTED requantizes in double, not with fixed-point multipliers."""
     matmul = annotations["anchor"]
     x, in_scale, in_zp, out_scale, out_zp = _input_and_output(annotations)
     ifm_shape, ofm_shape = _shape(x), _shape(matmul)
@@ -234,8 +244,7 @@ def extract_fully_connected(annotations: Mapping[str, relax.Expr]) -> ConvParams
         op=NpuOp.FULLY_CONNECTED, ifm_shape=ifm_shape, ofm_shape=ofm_shape, input_scale=in_scale,
         input_zero_point=in_zp, weight_scales=scales, weight_zero_points=zps, per_channel=per_channel,
         weights=weights, bias=_bias(annotations, in_scale, scales), output_scale=out_scale,
-        output_zero_point=out_zp, clamp=_clamp(annotations),
-        rounding=Rounding.FLOAT64 if per_channel else Rounding.TFLITE_DOUBLE)
+        output_zero_point=out_zp, clamp=_clamp(annotations), rounding=mac_rounding(NpuOp.FULLY_CONNECTED, per_channel))
 
 
 def _per_channel(shape: tuple, out_shape: tuple) -> bool:
