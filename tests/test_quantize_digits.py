@@ -15,6 +15,7 @@ import npu_backend
 from npu_backend import QConfig
 from npu_backend.cli import main as npu
 from npu_backend.quantization import calibrate
+from npu_backend.quantization.predicted import PredictedLayer
 from npu_backend.quantization.stored import load_quantized, save_quantized
 
 DIGITS = Path(__file__).parent / "fixtures" / "digits"
@@ -57,6 +58,12 @@ def test_every_operator_on_the_npu_and_equal_to_the_simulation(quantized):
         logits.append(out[0])
     assert np.mean(np.argmax(logits, axis=1) == LABELS) > 0.8
     assert calibrated.report.output_sqnr_db > 20.0
+    # every convolution and dense layer was calibrated from its predicted record, which its build confirmed
+    ctx = calibrated._ctx
+    macs = [layer for layer in ctx.layers if layer.kind.name in ("conv2d", "matmul")]
+    assert macs and ctx.predicting
+    assert all(isinstance(ctx.npu_cache[layer.index], PredictedLayer) and ctx.npu_cache[layer.index].verified
+               for layer in macs)
 
 
 def test_stored_file_round_trip(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -27,7 +28,7 @@ from simulator.macs import FLOAT32_EXACT
 from simulator.softmax import SOFTMAX_OUTPUT
 from simulator.tables import LOGISTIC_OUTPUT, TANH_OUTPUT
 
-from ..errors import NpuError
+from ..errors import NpuError, NpuWarning
 from .config import FLOAT_MODEL_METHODS, QConfig
 from .layers import Layer, Output, function_outputs, resolve
 from .observers import (Batches, RangeRequest, TensorStats, activation_qparams, choose_range, extremes_range,
@@ -36,8 +37,10 @@ from .rewrite import TensorQ, WeightQ
 from .batched_float import ChannelTotals, HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
 from . import batched_float, buffers, headroom, kernels, reconstruct, storage
-from .parallel import Deferred, run_all
-from .steps import Centred, FloatLayers, NpuLayer, ReferencePass, centre_host, dequantize_host, quantize_host
+from .parallel import TVM_LOCK, Deferred, run_all
+from .predicted import Builder, Mispredicted, PredictedLayer, predict
+from .steps import (Centred, FloatLayers, LayerSpec, NpuLayer, ReferencePass, built_mac_layers, centre_host,
+                    dequantize_host, quantize_host)
 
 FIXED_OUTPUTS = {"sigmoid": LOGISTIC_OUTPUT, "tanh": TANH_OUTPUT, "softmax": SOFTMAX_OUTPUT}
 """Output qparams TFLite's int8 kernels fix (the NPU's legality checks the same tables)."""
@@ -164,6 +167,9 @@ class Context:
             for v in layer.inputs:
                 self.last_use[v] = layer.index
         self.npu_cache: dict = {}
+        self.predicting = True
+        """MAC layers' records are predicted and their builds checked beside the walk (:mod:`.predicted`); off
+        once a prediction was refuted."""
         self._kept = None
 
     @property
@@ -388,15 +394,37 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     Returns (the quantized model's outputs per sample, the float model's outputs per sample (empty lists without
     the reference), per-layer statistics by index, tensor records).
     """
-    later = Deferred()  # each layer's SQNR and output summary, read when the walk ends
+    before = Plan(dict(plan.tensors), dict(plan.weights), dict(plan.constants), set(plan.float_layers),
+                  dict(plan.reasons))
     try:
-        return _walk(ctx, plan, samples, calibrating, progress, reference, later)
+        return _walk_once(ctx, plan, samples, calibrating, progress, reference)
+    except Mispredicted as error:
+        warnings.warn(NpuWarning(f"calibration: {error}; calibrating again with every layer built (slower; "
+                                 "please report the model)"), stacklevel=2)
+        ctx.predicting = False
+        for field_name in ("tensors", "weights", "constants", "float_layers", "reasons"):
+            setattr(plan, field_name, getattr(before, field_name))
+        return _walk_once(ctx, plan, samples, calibrating, progress, reference)
+
+
+def _walk_once(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress, reference: bool):
+    """:func:`walk`, its MAC layers' records predicted (:mod:`.predicted`) while ``ctx.predicting``."""
+    later = Deferred()  # each layer's SQNR and output summary, read when the walk ends
+    builder = Builder(functools.partial(built_mac_layers, source=ctx.source, config=ctx.npu)) if ctx.predicting \
+        else None
+    try:
+        return _walk(ctx, plan, samples, calibrating, progress, reference, later, builder)
     finally:
         later.close(cancel=True)  # _walk waited for its work; after an error, what has not started is dropped
+        if builder is not None:
+            builder.close()
+            for index, npu in list(ctx.npu_cache.items()):  # unchecked or refuted predictions are not kept
+                if isinstance(npu, PredictedLayer) and not npu.verified:
+                    del ctx.npu_cache[index]
 
 
 def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress, reference: bool,
-          later: Deferred):
+          later: Deferred, builder: Builder | None):
     reference = reference or (calibrating and ctx.config.float_reference)
     fvals: dict = {}
     qvals: dict = {}
@@ -454,7 +482,7 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
         fvals[layer.output] = references
         if ctx.quantized(layer, plan):
             _run_quantized(ctx, layer, plan, stats, qvals, value, centred, calibrating, records, float_accumulators,
-                           references, later)
+                           references, later, builder)
             model_value = None
         else:
             inputs = [value(v) for v in layer.inputs]
@@ -475,6 +503,8 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
                     table.pop(v, None)
         if progress is not None:
             progress(layer.index + 1, len(ctx.layers))
+    if builder is not None:
+        builder.finish()  # every predicted record checked against its build (raises Mispredicted)
     later.close()
     for stats in layer_stats.values():
         if isinstance(stats.sqnr_db, Future):
@@ -537,7 +567,7 @@ def _bias_shift(float_accumulators: FloatAccumulators, chunks) -> np.ndarray:
 
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, centred,
                    calibrating: bool, records: list, float_accumulators: FloatAccumulators | None,
-                   references: np.ndarray | None, later: Deferred) -> None:
+                   references: np.ndarray | None, later: Deferred, builder: Builder | None) -> None:
     sums = summarize = None
     if calibrating:
         sums, summarize = _calibrate_layer(ctx, layer, plan, stats, value, centred, records, float_accumulators,
@@ -547,7 +577,24 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
     wq = plan.weights.get(layer.index)
     npu = ctx.npu_cache.get(layer.index)
     if npu is None or npu.key != _key(layer, plan) or npu.weights is not wq:
-        npu = NpuLayer(layer, ctx.folded, inputs_q, plan.tensors[layer.output], wq, constants, ctx.source, ctx.npu)
+        output_q = plan.tensors[layer.output]
+
+        spec = LayerSpec(layer, ctx.folded, inputs_q, output_q, wq, constants)
+
+        def build():
+            return NpuLayer(layer, ctx.folded, inputs_q, output_q, wq, constants, ctx.source, ctx.npu)
+
+        npu = None
+        mac = predict(layer, ctx.float.plans[layer.index], inputs_q[0], output_q, wq, ctx.source, ctx.npu) \
+            if builder is not None else None
+        if mac is not None:  # its outputs from its sums through the predicted record; the build checks it beside
+            if not (isinstance(sums, IntegerSums) and sums.weight is wq.weight):
+                sums = _integer_sums(ctx, layer, wq, centred)
+            if sums is not None and sums.exact_with(wq.bias):
+                npu = builder.submit(layer.name, mac, wq, spec, build)
+        if npu is None:
+            with TVM_LOCK:
+                npu = build()
         npu.key = _key(layer, plan)
         ctx.npu_cache[layer.index] = npu
     stats.on_npu = npu.on_npu

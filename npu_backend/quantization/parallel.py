@@ -33,6 +33,11 @@ WORKERS = max(1, int(os.environ.get("NPU_QUANTIZE_THREADS", 0)) or min(_cores(),
 """Threads calibration's numpy work runs on (``NPU_QUANTIZE_THREADS``; default: every core, at most
 :data:`MAX_DEFAULT_WORKERS`)."""
 
+TVM_LOCK = threading.RLock()
+"""Held by every TVM build calibration makes (a layer's NPU module, the float layers' VM): TVM's ``BlockBuilder``
+keeps one stack of builders for all threads, so two builds at once corrupt each other (a layer built beside the
+walk, :mod:`.predicted`, once broke TVM's ONNX importer this way)."""
+
 _state = threading.local()
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (its size, the pool)
 _pool_lock = threading.Lock()

@@ -83,7 +83,8 @@ class FloatLayers:
     def vm(self) -> relax.VirtualMachine:
         with self._vm_lock:
             if self._vm is None:
-                self._vm = self._compile([layer for layer in self._layers if self._on_tvm(layer)], self._folded)
+                with parallel.TVM_LOCK:
+                    self._vm = self._compile([layer for layer in self._layers if self._on_tvm(layer)], self._folded)
             return self._vm
 
     def _on_tvm(self, layer: Layer) -> bool:
@@ -362,6 +363,75 @@ def centre_host(x: np.ndarray, zero_point: int, channels_first: bool) -> Centred
     return Centred(x, int(zero_point), max(abs(low - zero_point), abs(high - zero_point)))
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What a quantized layer's NPU module is built from: the layer and calibration's decisions about it."""
+
+    layer: Layer
+    folded: dict
+    inputs: list
+    """The :class:`.rewrite.TensorQ` of each input."""
+    output: TensorQ
+    weights: WeightQ | None
+    constants: dict
+
+
+def layer_module(specs: list[LayerSpec], source: str) -> tuple[tvm.IRModule, list[list[relax.Var]]]:
+    """The layers in the canonical QDQ form, each from int8 parameters of its own, in one ``main`` (returning
+    their int8 outputs, a tuple of them for several), and each layer's parameters."""
+    bb = relax.BlockBuilder()
+    params = [[_tensor_var(f"x{k}" if len(specs) == 1 else f"l{n}_x{k}", _shape(v), "int8")
+               for k, v in enumerate(spec.layer.inputs)] for n, spec in enumerate(specs)]
+    with bb.function("main", [p for layer_params in params for p in layer_params]):
+        with bb.dataflow():
+            outputs = [_emit_quantized(bb, spec, layer_params) for spec, layer_params in zip(specs, params)]
+            result = bb.emit_output(outputs[0] if len(specs) == 1 else relax.Tuple([bb.emit(o) for o in outputs]))
+        bb.emit_func_output(result)
+    return bb.get().with_attr(SOURCE_ATTR, source), params
+
+
+def _emit_quantized(bb: relax.BlockBuilder, spec: LayerSpec, params: list[relax.Var]) -> relax.Expr:
+    """The layer's bindings; returns its output: a var, or the final ``quantize`` call, not yet bound (one layer's
+    module binds it as the function's output)."""
+    layer, weights, constants = spec.layer, spec.weights, spec.constants
+    by_var = {v: (p, q) for v, p, q in zip(layer.inputs, params, spec.inputs)}
+    if layer.kind.moves_int8:
+        return emit_layer(bb, layer, spec.folded, Operands(activation=lambda v: by_var[v][0]))
+    ops = Operands(
+        activation=lambda v: bb.emit(dequantize(by_var[v][0], by_var[v][1])),
+        weight=lambda: bb.emit(dequantized_weight(weights)),
+        bias=lambda shape: bb.emit(dequantized_bias(weights, shape)),
+        constant=lambda c: bb.emit(dequantize(const(constants[c][0], "int8"), constants[c][1])))
+    return quantize(emit_layer(bb, layer, spec.folded, ops), spec.output)
+
+
+def built_mac_layers(specs: list[LayerSpec], source: str, config: NpuConfig) -> list:
+    """The :class:`npu_backend.codegen.lower.MacLayer` each layer's build gives (None where the layer is not one
+    NPU region of its inputs, or not one MAC layer), the layers built as one module (:func:`layer_module`): what
+    :class:`NpuLayer` finds of each alone (its ``mac``), one ``partition_for_npu`` for them all. A layer is
+    whole when its output is a region's result and that region takes exactly its parameters."""
+    from ..codegen.lower import mac_layer
+    from ..partition import partition_for_npu
+
+    mod, params = layer_module(specs, source)
+    partitioned = partition_for_npu(mod, config)
+    main = partitioned["main"]
+    value_of = {b.var: b.value for block in main.body.blocks for b in block.bindings}
+    result = value_of.get(main.body.body, main.body.body)
+    outputs = list(result.fields) if len(specs) > 1 and isinstance(result, relax.Tuple) else [main.body.body]
+    inputs = {p.name: p for p in main.params}
+    found = []
+    for layer_params, output in zip(params, outputs if len(outputs) == len(specs) else [None] * len(specs)):
+        call = value_of.get(output)
+        if (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.GlobalVar)
+                and list(call.args) == [inputs.get(p.name) for p in layer_params]):
+            region = partitioned[call.op]
+            found.append(mac_layer(region, str(region.attrs["global_symbol"])))
+        else:
+            found.append(None)
+    return found
+
+
 class NpuLayer:
     """One quantized layer as the NPU runs it: its own QDQ module, partitioned; lowered and simulated when first
     run (a MAC layer whose outputs calibration reads from its integer sums never is)."""
@@ -373,24 +443,7 @@ class NpuLayer:
         from ..partition import partition_for_npu
         from ..report import partition_report
 
-        bb = relax.BlockBuilder()
-        params = [_tensor_var(f"x{k}", _shape(v), "int8") for k, v in enumerate(layer.inputs)]
-        by_var = {v: (p, q) for v, p, q in zip(layer.inputs, params, inputs)}
-        ops = Operands(
-            activation=lambda v: bb.emit(dequantize(by_var[v][0], by_var[v][1])),
-            weight=lambda: bb.emit(dequantized_weight(weights)),
-            bias=lambda shape: bb.emit(dequantized_bias(weights, shape)),
-            constant=lambda c: bb.emit(dequantize(const(constants[c][0], "int8"), constants[c][1])))
-        with bb.function("main", params):
-            with bb.dataflow():
-                if layer.kind.moves_int8:
-                    out = emit_layer(bb, layer, folded, Operands(activation=lambda v: by_var[v][0]))
-                    result = bb.emit_output(out)
-                else:
-                    out = emit_layer(bb, layer, folded, ops)
-                    result = bb.emit_output(quantize(out, output))
-            bb.emit_func_output(result)
-        mod = bb.get().with_attr(SOURCE_ATTR, source)
+        mod, _ = layer_module([LayerSpec(layer, folded, inputs, output, weights, constants)], source)
         partitioned = partition_for_npu(mod, config)
         self.config = config
         self.weights = weights
@@ -432,7 +485,8 @@ class NpuLayer:
         worker threads; a layer TVM builds runs per sample."""
         count = len(inputs[0])
         if self.prepared is None and self.vm is None:
-            self._build()
+            with parallel.TVM_LOCK:
+                self._build()
         if self.stream is None:
             results = [self.run([x[n] for x in inputs]) for n in range(count)]
             return np.stack([r[0] for r in results]), sum(r[1] for r in results)

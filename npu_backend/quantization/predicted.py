@@ -1,0 +1,205 @@
+"""A MAC layer's NPU record, predicted from calibration's own decisions and checked against the layer's build.
+
+Of a convolution or matmul layer's NPU module, calibration reads only its
+:class:`npu_backend.codegen.lower.MacLayer` (the record, its scale/bias table and its whole-layer command): the
+next layers' int8 inputs come from the layer's exact sums through it (:mod:`.integer_sums`). Building that module
+(the QDQ layer, ``partition_for_npu``, the record read back) is Python on the walk's main thread: the 65 builds of
+a MobileNetV2-224 took 1.6-1.8 s of it, a quarter of the default calibration. Yet the record is a function of what
+calibration has just decided (input and output qparams, int8 weights and bias, the clamp, the geometry), so the
+walk computes it (:func:`predict`), with the rules the compiler itself applies (the float activation's int8 clamp,
+:func:`npu_backend.canonicalize.quantized_activation`; the clip's integers and the rounding,
+:mod:`npu_backend.patterns.extract`; the legality check and row program,
+:func:`npu_backend.codegen.lower.mac_layer_of`), and goes on.
+
+The layers are still built, on a thread of its own (:class:`Builder`), several to a module
+(:func:`.steps.built_mac_layers`: a MobileNetV2's 53 MAC layers in batches of 16 took 0.9-1.0 s of CPU, against
+1.6-1.7 s built one by one), and each record is compared with its prediction field by field, arrays by dtype, shape
+and value. The walk waits for every comparison before it returns: a difference (a rule the prediction does not
+know) makes calibration walk again with every layer built on the walk (``calibrate.walk``, with a warning naming
+the layer and the field), so the module returned is the one the NPU computes, always. TVM's ``BlockBuilder``
+keeps one stack for every thread, so every build in calibration holds :data:`.parallel.TVM_LOCK`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from simulator.isa import Opcode
+
+from ..canonicalize import quantized_activation
+from ..codegen.lower import MacLayer, mac_layer_of
+from ..ops import OPS
+from ..params import ConvParams
+from ..patterns.extract import integer_clamp, mac_rounding
+from ..reference import REFERENCE_OF_SOURCE, follow_reference
+from .parallel import TVM_LOCK
+
+MAC_OPS = {d.opcodes[0]: d.op for d in OPS if d.record is ConvParams}
+"""The NPU operator of each MAC opcode (a weighted plan's), from the operator table."""
+
+
+def predict(layer, plan, input_q, output_q, weights, source: str, config) -> MacLayer | None:
+    """The :class:`MacLayer` the layer's NPU build would give, from calibration's decisions: ``plan`` its
+    :class:`.batched_float.WeightedPlan`, ``input_q``/``output_q`` its :class:`.rewrite.TensorQ`, ``weights`` its
+    :class:`.rewrite.WeightQ`, ``source`` the module's reference source. None where the prediction does not know
+    the answer (a clamp the canonical form leaves in float, a layer the NPU does not take whole): the layer is then
+    built on the walk, as before."""
+    if plan is None or weights is None or plan.opcode not in MAC_OPS:
+        return None
+    op = MAC_OPS[plan.opcode]
+    out = output_q
+    clamp = (-128, 127)
+    if layer.clamp is not None:
+        bounds = quantized_activation(*layer.clamp, out.scale, out.zero_point)
+        if bounds is None:
+            return None
+        clamp = integer_clamp(*bounds)
+    channels = weights.weight.shape[weights.axis]
+    per_channel = int(np.size(weights.scales)) > 1
+    bias = (np.zeros(channels, np.int32) if weights.bias is None
+            else np.ascontiguousarray(np.broadcast_to(np.asarray(weights.bias).reshape(-1), (channels,)), np.int32))
+    common = dict(op=op, input_scale=float(np.float32(input_q.scale)), input_zero_point=int(input_q.zero_point),
+                  weight_scales=np.broadcast_to(np.asarray(weights.scales, np.float32), (channels,)).astype(np.float32),
+                  weight_zero_points=np.zeros(channels, np.int32), per_channel=per_channel, bias=bias,
+                  output_scale=float(np.float32(out.scale)), output_zero_point=int(out.zero_point), clamp=clamp,
+                  rounding=mac_rounding(op, per_channel))
+    if plan.conv is None:
+        (rows, depth) = (int(d) for d in layer.inputs[0].ty.shape.values)
+        params = ConvParams(ifm_shape=(rows, depth), ofm_shape=(rows, channels),
+                            weights=np.ascontiguousarray(np.asarray(weights.weight).T), **common)
+    else:
+        c = plan.conv
+        w = np.transpose(weights.weight, plan.weight_order)  # [OC, KH, KW, IC]
+        if plan.opcode == Opcode.DEPTHWISE_CONV2D:
+            w = w[..., 0]  # [C, KH, KW]
+        params = ConvParams(ifm_shape=(1, c.ifm.height, c.ifm.width, c.ifm.channels),
+                            ofm_shape=(1, c.ofm.height, c.ofm.width, c.ofm.channels), weights=np.ascontiguousarray(w),
+                            kernel=tuple(c.kernel), strides=tuple(c.stride), dilation=tuple(c.dilation),
+                            padding=tuple(c.padding), **common)
+    return mac_layer_of(follow_reference(params, REFERENCE_OF_SOURCE[source]), config)
+
+
+def difference(predicted: MacLayer, built: MacLayer | None) -> str | None:
+    """The first field in which the build's record differs from the prediction (None: they are the same)."""
+    if built is None:
+        return "the build is not one MAC layer"
+    return _difference(predicted, built, "")
+
+
+def _difference(a, b, where: str) -> str | None:
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        a, b = np.asarray(a), np.asarray(b)
+        same = a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+        return None if same else f"{where}: {a.dtype}{list(a.shape)} against {b.dtype}{list(b.shape)} built"
+    if dataclasses.is_dataclass(a) and type(a) is type(b):
+        for f in dataclasses.fields(a):
+            found = _difference(getattr(a, f.name), getattr(b, f.name), f"{where}.{f.name}" if where else f.name)
+            if found is not None:
+                return found
+        return None
+    if type(a) is not type(b) or a != b:
+        return f"{where}: {a!r} predicted, {b!r} built"
+    return None
+
+
+class Mispredicted(Exception):
+    """A layer's build differs from its prediction (calibration walks again with every layer built)."""
+
+
+class PredictedLayer:
+    """A MAC layer's stand-in for its :class:`.steps.NpuLayer`: its predicted :class:`MacLayer` (checked by the
+    :class:`Builder`), and the layer itself built when anything else is asked of it (a sample the sums cannot take
+    exactly runs through its stream)."""
+
+    on_npu = True
+    """A MAC layer whose record checks and lowers to a MAC command (and whose build is compared): on the NPU."""
+
+    def __init__(self, mac: MacLayer, weights, build, check: Future):
+        self.mac, self.weights, self._build, self._check = mac, weights, build, check
+        self._built = None
+
+    @property
+    def verified(self) -> bool:
+        """Built, and equal to the prediction."""
+        check = self._check
+        return check.done() and not check.cancelled() and check.exception() is None and check.result() is None
+
+    def built(self):
+        """The real :class:`.steps.NpuLayer` (built on first use, holding :data:`.parallel.TVM_LOCK`)."""
+        if self._built is None:
+            with TVM_LOCK:
+                self._built = self._build()
+        return self._built
+
+    def run_batch(self, inputs):
+        return self.built().run_batch(inputs)
+
+
+class Builder:
+    """Builds the predicted layers on a thread of its own, beside the walk, and compares each with its prediction.
+
+    The layers waiting when the thread is free are built together, as one module
+    (:func:`.steps.built_mac_layers`): one ``partition_for_npu`` call for several layers costs about half as much as
+    one per layer, and the thread shares two cores with calibration's own. :meth:`finish` waits for every check
+    and raises :class:`Mispredicted` on the first difference."""
+
+    BATCH = 16
+    """Layers built together."""
+
+    def __init__(self, build_macs):
+        """``build_macs(specs)``: the built :class:`MacLayer` (or None) of each :class:`.steps.LayerSpec`."""
+        self._build_macs = build_macs
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-quantize-build")
+        self._waiting: list = []  # (spec, prediction, its check's future), in the walk's order
+        self._lock = threading.Lock()
+        self._checks: list[tuple[str, Future]] = []
+
+    def submit(self, name: str, mac: MacLayer, weights, spec, build) -> PredictedLayer:
+        """A :class:`PredictedLayer` for the prediction ``mac`` of the layer ``spec`` describes (``build()``: its
+        :class:`.steps.NpuLayer`, should anything need it)."""
+        check: Future = Future()
+        with self._lock:
+            self._waiting.append((spec, mac, check))
+            full = len(self._waiting) >= self.BATCH
+        self._checks.append((name, check))
+        if full:
+            self._executor.submit(self._drain)
+        return PredictedLayer(mac, weights, build, check)
+
+    def _drain(self) -> None:
+        with self._lock:
+            batch, self._waiting = self._waiting, []
+        if not batch:
+            return  # taken by an earlier drain
+        try:
+            with TVM_LOCK:
+                built = self._build_macs([spec for spec, _, _ in batch])
+        except BaseException as error:  # noqa: BLE001 - raised by finish()
+            for _, _, check in batch:
+                check.set_exception(error)
+            return
+        for (_, mac, check), real in zip(batch, built):
+            check.set_result(difference(mac, real))
+
+    def finish(self) -> None:
+        try:
+            self._executor.submit(self._drain)  # the last layers
+            self._executor.shutdown(wait=True)
+            for name, check in self._checks:
+                found = check.result()
+                if found is not None:
+                    raise Mispredicted(f"layer {name}'s NPU record differs from calibration's prediction ({found})")
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop: builds not started are dropped (their checks cancelled), a running one is waited for."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for _, _, check in self._waiting:
+                check.cancel()
+            self._waiting = []

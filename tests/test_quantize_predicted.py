@@ -1,0 +1,110 @@
+"""MAC layers' NPU records predicted by calibration (npu_backend.quantization.predicted): equal to their builds,
+checked against them, and a refuted prediction never reaches the result."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import numpy as np
+import pytest
+import tvm
+
+from float_models import float_cnn
+from npu_backend import QConfig
+from npu_backend.canonicalize import quantized_activation
+from npu_backend.errors import NpuWarning
+from npu_backend.quantization import calibrate
+from npu_backend.quantization.predicted import PredictedLayer, difference
+
+calibrate_module = __import__("npu_backend.quantization.calibrate", fromlist=["predict"])
+RNG = np.random.default_rng(5)
+CALIBRATION = RNG.random((12, 8, 8, 1)).astype(np.float32)
+TEST = RNG.random((4, 8, 8, 1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("low, top, scale, zero_point, expected", [
+    (0.0, math.inf, 0.05, -128, (-128, 127)),  # ReLU: the zero point up
+    (0.0, 6.0, 0.1, 0, (0, 60)),  # f32(6) / f32(0.1) = 59.999998...: rounds to 60
+    (0.0, 6.0, 0.01, 0, (0, 127)),  # past the int8 range: saturates
+    (0.0, 6.0, 0.1, -200, (-128, -128)),  # a zero point below int8: both bounds clamp
+    (0.0, 1.25, 0.5, 0, None),  # 2.5 exactly: a tie, which each rounding settles its own way
+    (-1.0, 1.0, 0.1, 0, None),  # a lower bound other than 0 stays a float op
+])
+def test_the_float_activation_becomes_the_int8_clamp_of_its_rule(low, top, scale, zero_point, expected):
+    assert quantized_activation(low, top, scale, zero_point) == expected
+
+
+def _summary(calibrated):
+    plan = calibrated._plan
+    weights = {i: (w.weight.tobytes(), None if w.bias is None else w.bias.tobytes(), w.scales.tobytes())
+               for i, w in plan.weights.items()}
+    outputs = [out[0].tobytes() for out in calibrated.simulate(TEST)]
+    return calibrated.report.to_json(), weights, list(plan.tensors.values()), outputs
+
+
+def _calibrate(config=None):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NpuWarning)
+        return calibrate(float_cnn(), CALIBRATION, config)
+
+
+@pytest.mark.parametrize("config", [QConfig(), QConfig(rounding="onnxruntime", per_channel=False, weight_bits=4)],
+                         ids=["default", "onnxruntime-per-tensor-4bit"])
+def test_every_mac_layer_is_predicted_and_its_build_agrees(config):
+    calibrated = _calibrate(config)
+    ctx = calibrated._ctx
+    macs = [layer for layer in ctx.layers if layer.kind.name in ("conv2d", "matmul")]
+    assert macs and ctx.predicting
+    for layer in macs:
+        npu = ctx.npu_cache[layer.index]
+        assert isinstance(npu, PredictedLayer) and npu.verified, layer.name
+        assert difference(npu.mac, npu.built().mac) is None
+    others = [npu for i, npu in ctx.npu_cache.items() if ctx.layers[i] not in macs]
+    assert others and not any(isinstance(npu, PredictedLayer) for npu in others)
+
+
+def test_a_difference_names_the_first_field_that_differs():
+    calibrated = _calibrate()
+    npu = next(n for n in calibrated._ctx.npu_cache.values() if isinstance(n, PredictedLayer))
+    mac = npu.built().mac
+    assert difference(mac, mac) is None
+    assert difference(mac, None) == "the build is not one MAC layer"
+    params = mac.params
+    shifted = dataclasses.replace(mac, params=dataclasses.replace(params,
+                                                                  output_zero_point=params.output_zero_point + 1))
+    assert difference(shifted, mac).startswith("params.output_zero_point:")
+    wider = dataclasses.replace(mac, params=dataclasses.replace(params, bias=params.bias.astype(np.int64)))
+    assert difference(wider, mac) == f"params.bias: int64{list(params.bias.shape)} against int32" \
+                                     f"{list(params.bias.shape)} built"
+    retyped = dataclasses.replace(mac, params=dataclasses.replace(params, input_zero_point=np.int64(
+        params.input_zero_point)))
+    assert difference(retyped, mac).startswith("params.input_zero_point:")  # the same value, another type
+    table = mac.table.copy()
+    table.reshape(-1)[0] += 1
+    assert difference(dataclasses.replace(mac, table=table), mac).startswith("table:")
+
+
+def test_a_refuted_prediction_calibrates_again_with_every_layer_built(monkeypatch):
+    expected = _summary(_calibrate())
+    real = calibrate_module.predict
+
+    def wrong(*args):
+        mac = real(*args)
+        if mac is None:
+            return None
+        params = mac.params
+        return dataclasses.replace(mac, params=dataclasses.replace(params, output_zero_point=params.output_zero_point
+                                                                   + 1))
+
+    monkeypatch.setattr(calibrate_module, "predict", wrong)
+    with pytest.warns(NpuWarning, match="differs from calibration's prediction .*params.output_zero_point.*again"):
+        refuted = calibrate(float_cnn(), CALIBRATION)
+    assert not refuted._ctx.predicting
+    assert not any(isinstance(n, PredictedLayer) for n in refuted._ctx.npu_cache.values())
+    assert _summary(refuted) == expected
+    monkeypatch.setattr(calibrate_module, "predict", lambda *args: None)
+    built = _calibrate()  # no prediction at all: every layer built on the walk, as before predictions
+    assert _summary(built) == expected
+    tvm.ir.assert_structural_equal(built.module["main"], refuted.module["main"])
