@@ -595,6 +595,8 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
         if npu is None:
             with TVM_LOCK:
                 npu = build()
+            if builder is not None:
+                builder.flush(least=Builder.BATCH // 2)
         npu.key = _key(layer, plan)
         ctx.npu_cache[layer.index] = npu
     stats.on_npu = npu.on_npu
