@@ -569,6 +569,8 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
                    calibrating: bool, records: list, float_accumulators: FloatAccumulators | None,
                    references: np.ndarray | None, later: Deferred, builder: Builder | None) -> None:
     sums = summarize = None
+    if builder is not None and ctx.float.plans[layer.index] is not None:
+        builder.flush(least=Builder.BATCH // 2)  # built while the walk's GEMMs run, without the GIL
     if calibrating:
         sums, summarize = _calibrate_layer(ctx, layer, plan, stats, value, centred, records, float_accumulators,
                                            references)
@@ -595,8 +597,6 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
         if npu is None:
             with TVM_LOCK:
                 npu = build()
-            if builder is not None:
-                builder.flush(least=Builder.BATCH // 2)
         npu.key = _key(layer, plan)
         ctx.npu_cache[layer.index] = npu
     stats.on_npu = npu.on_npu

@@ -144,11 +144,15 @@ class Builder:
 
     The layers waiting are built together, as one module (:func:`.steps.built_mac_layers`): one
     ``partition_for_npu`` call for several layers costs about half as much as one per layer, and the thread shares
-    the cores with calibration's own. A batch holds TVM (:data:`.parallel.TVM_LOCK`) while the walk may need it to
-    build a layer that is not predicted (an add, a mean), so batches start right after such a build
-    (:meth:`flush`), or once :data:`BATCH` layers wait: on a MobileNetV2 the walk then waited 0-0.02 s for TVM, where
-    batches of 16 started whenever they filled had held it up 0.8 s. :meth:`finish` waits for every check and
-    raises :class:`Mispredicted` on the first difference."""
+    the cores with calibration's own. A batch holds TVM (:data:`.parallel.TVM_LOCK`), which the walk needs to build
+    a layer that is not predicted (an add, a mean), and the GIL for much of its time, so batches start when the walk
+    begins a MAC layer with half a :data:`BATCH` waiting (:meth:`flush`: its matrix products run without the GIL),
+    or once :data:`BATCH` layers wait. On a MobileNetV2 the walk then waited 0.4 s in all for TVM, where batches of
+    16 started whenever they filled had held it up 0.8 s; batches started right after the walk's own builds held it
+    up 0-0.02 s, but slowed the adds' simulation (Python, beside the builds' Python) by more, and one batch after
+    the walk left it a serial tail; on wall time the three were within the machine's noise (median 7.7 s each over
+    5 alternating rounds), this one the least CPU. :meth:`finish` waits for every check and raises
+    :class:`Mispredicted` on the first difference."""
 
     BATCH = 16
     """Layers built together."""
@@ -174,8 +178,7 @@ class Builder:
         return PredictedLayer(mac, weights, build, check)
 
     def flush(self, least: int = 1) -> None:
-        """Build the layers waiting now, if there are at least ``least`` (the walk asks right after a build of its
-        own: it will not need TVM for a while)."""
+        """Build the layers waiting now, if there are at least ``least``."""
         with self._lock:
             enough = len(self._waiting) >= least
         if enough:
