@@ -165,7 +165,7 @@ def instrument() -> Phases:
     import npu_backend.partition as partition
     import npu_backend.quantization as quantization
     import simulator.batch as batch
-    from npu_backend.quantization import batched_float, integer_sums, kernels, observers, parallel, steps
+    from npu_backend.quantization import batched_float, integer_sums, kernels, observers, parallel, predicted, steps
 
     calibrate = sys.modules["npu_backend.quantization.calibrate"]  # the package's calibrate() shadows it
     from simulator.isa import Opcode
@@ -188,6 +188,9 @@ def instrument() -> Phases:
         (codegen, "lower_module", "NPU layer: lower to a stream"),
         (steps.NpuLayer, "_build", "NPU layer: lower to a stream"),
         (steps.NpuLayer, "__init__", "NPU layer: emit QDQ"),
+        (steps, "layer_module", "NPU layer: emit QDQ"),
+        (calibrate, "built_mac_layers", "NPU layer: check predicted records (batched builds)"),
+        (calibrate, "predict", "NPU layer: predict a MAC record"),
         (steps, "run_stream_batch", "simulator: other (command loop, outputs)"),
         (batch, "mac_output", "simulator: MAC commands (batched)"),
         (batch, "_constant_mac", "simulator: MAC commands (batched)"),
@@ -229,16 +232,24 @@ def instrument() -> Phases:
     phases.wrap(quantization, "emit_module", "emit the QDQ module")
     phases.wrap(quantization, "calibrate", "quantize: everything else")
     phases.workers = parallel.WORKERS
-    phases.streams = count_streams(phases, steps.NpuLayer)
+    phases.streams = count_streams(phases, steps.NpuLayer, predicted.PredictedLayer)
     return phases
 
 
-def count_streams(phases: Phases, layer_class) -> Counter:
+def count_streams(phases: Phases, layer_class, predicted_class) -> Counter:
     """Commands of every stream calibration lowers for a layer, by what they do, and the layers that needed none
-    (a MAC layer's outputs come from its integer sums): wraps the class's ``__init__`` and ``_build`` (outside the
-    phase timer, :meth:`Phases.restore` puts them back)."""
+    (a MAC layer's outputs come from its integer sums, through its record as built or as predicted): wraps the
+    classes' ``__init__`` and ``_build`` (outside the phase timer, :meth:`Phases.restore` puts them back)."""
     tally = Counter()
     init, build = layer_class.__init__, layer_class._build
+    predicted_init = predicted_class.__init__
+
+    @functools.wraps(predicted_init)
+    def counted_predicted(self, *args, **kwargs):
+        predicted_init(self, *args, **kwargs)
+        tally["layers"] += 1
+        tally["MAC layers (no stream needed)"] += 1
+        tally["of them predicted (built beside the walk)"] += 1
 
     @functools.wraps(init)
     def counted_init(self, *args, **kwargs):
@@ -256,7 +267,9 @@ def count_streams(phases: Phases, layer_class) -> Counter:
             tally[command_kind(self.stream, command)] += 1
 
     layer_class.__init__, layer_class._build = counted_init, counted_build
-    phases.on_restore(lambda: (setattr(layer_class, "__init__", init), setattr(layer_class, "_build", build)))
+    predicted_class.__init__ = counted_predicted
+    phases.on_restore(lambda: (setattr(layer_class, "__init__", init), setattr(layer_class, "_build", build),
+                               setattr(predicted_class, "__init__", predicted_init)))
     return tally
 
 
@@ -366,10 +379,11 @@ def main() -> int:
         print(f"  {name:<44} {seconds:7.2f} s  {other:6.2f} s  {100 * (seconds + other) / cpu:5.1f}%  "
               f"({phases.calls[name]} calls)")
     streams = phases.streams
-    mac = "MAC layers (no stream needed)"
-    kinds = sorted((k for k in streams if k not in ("streams", "layers", mac)), key=lambda k: -streams[k])
+    mac, guessed = "MAC layers (no stream needed)", "of them predicted (built beside the walk)"
+    kinds = sorted((k for k in streams if k not in ("streams", "layers", mac, guessed)), key=lambda k: -streams[k])
     print(f"calibration's NPU layers: {streams['layers']}, of which {streams[mac]} MAC layers read from their "
-          f"integer sums; {streams['streams']} streams lowered, {sum(streams[k] for k in kinds):,} commands: "
+          f"integer sums ({streams[guessed]} through their predicted records, checked against their builds beside "
+          f"the walk); {streams['streams']} streams lowered, {sum(streams[k] for k in kinds):,} commands: "
           + ", ".join(f"{k} {streams[k]:,}" for k in kinds))
     print("calibration walk per layer kind (float, observers, simulator, NPU build):")
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):
