@@ -108,3 +108,17 @@ def test_a_refuted_prediction_calibrates_again_with_every_layer_built(monkeypatc
     built = _calibrate()  # no prediction at all: every layer built on the walk, as before predictions
     assert _summary(built) == expected
     tvm.ir.assert_structural_equal(built.module["main"], refuted.module["main"])
+
+
+def test_a_failed_batch_build_is_a_refutation_not_an_error(monkeypatch):
+    """A batch that fails to build (a layer its module cannot take) says nothing of any one layer: calibration
+    builds them one by one on the walk instead, which gives the layer's own answer."""
+    expected = _summary(_calibrate())
+
+    def broken(specs, source, config):
+        raise RuntimeError("no partition today")
+
+    monkeypatch.setattr(calibrate_module, "built_mac_layers", broken)
+    with pytest.warns(NpuWarning, match="their build together failed: no partition today"):
+        refuted = calibrate(float_cnn(), CALIBRATION)
+    assert _summary(refuted) == expected

@@ -580,12 +580,8 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
     npu = ctx.npu_cache.get(layer.index)
     if npu is None or npu.key != _key(layer, plan) or npu.weights is not wq:
         output_q = plan.tensors[layer.output]
-
         spec = LayerSpec(layer, ctx.folded, inputs_q, output_q, wq, constants)
-
-        def build():
-            return NpuLayer(layer, ctx.folded, inputs_q, output_q, wq, constants, ctx.source, ctx.npu)
-
+        build = functools.partial(NpuLayer, layer, ctx.folded, inputs_q, output_q, wq, constants, ctx.source, ctx.npu)
         npu = None
         mac = predict(layer, ctx.float.plans[layer.index], inputs_q[0], output_q, wq, ctx.source, ctx.npu) \
             if builder is not None else None

@@ -192,10 +192,14 @@ class Builder:
         try:
             with TVM_LOCK:
                 built = self._build_macs([spec for spec, _, _ in batch])
-        except BaseException as error:  # noqa: BLE001 - raised by finish()
+        except Exception as error:  # noqa: BLE001 - the layers built one by one on the walk will say what it is
+            for _, _, check in batch:
+                check.set_result(f"their build together failed: {error}")
+            return
+        except BaseException as error:  # raised by finish()
             for _, _, check in batch:
                 check.set_exception(error)
-            return
+            raise
         for (_, mac, check), real in zip(batch, built):
             check.set_result(difference(mac, real))
 
