@@ -122,3 +122,15 @@ def test_a_failed_batch_build_is_a_refutation_not_an_error(monkeypatch):
     with pytest.warns(NpuWarning, match="their build together failed: no partition today"):
         refuted = calibrate(float_cnn(), CALIBRATION)
     assert _summary(refuted) == expected
+
+
+def test_a_predicted_layer_runs_its_build_where_the_sums_cannot(monkeypatch):
+    """Where a sample's sums could leave float32's exact range the layer runs on its stream: a predicted layer
+    then builds itself, and gives what its sums gave."""
+    calibrated = _calibrate()
+    expected = [out[0].tobytes() for out in calibrated.simulate(TEST)]
+    predicted = [n for n in calibrated._ctx.npu_cache.values() if isinstance(n, PredictedLayer)]
+    assert predicted and all(n._built is None for n in predicted)
+    monkeypatch.setattr(calibrate_module, "_integer_sums", lambda *args, **kwargs: None)
+    assert [out[0].tobytes() for out in calibrated.simulate(TEST)] == expected
+    assert all(n._built is not None and n._built.stream is not None for n in predicted)
