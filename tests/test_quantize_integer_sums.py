@@ -23,7 +23,7 @@ from npu_backend.quantization.integer_sums import IntegerSums, exact_bound
 from npu_backend.quantization.layers import cut_layers
 from npu_backend.quantization.observers import int8_summary
 from npu_backend.quantization.rewrite import TensorQ
-from npu_backend.quantization.steps import NpuLayer, centre_host
+from npu_backend.quantization.steps import LayerSpec, NpuLayer, centre_host
 from npu_backend.quantization.batched_float import plan_weighted
 from simulator.mac_plans import exact_float_path
 
@@ -63,7 +63,8 @@ def _npu_layer(name: str, config: QConfig, output_q=TensorQ(0.08, -7)):
     layer, folded, x = _layer_and_inputs(name)
     input_q = TensorQ(0.05, 3)
     wq = _weights(layer, config, input_q)
-    npu = NpuLayer(layer, folded, [input_q], output_q, wq, {}, ROUNDINGS[config.rounding], _npu_config(config))
+    npu = NpuLayer(LayerSpec(layer, folded, [input_q], output_q, wq, {}), ROUNDINGS[config.rounding],
+                   _npu_config(config))
     plan = plan_weighted(layer)
     return layer, x, wq, npu, plan, centre_host(x, input_q.zero_point, plan.channels_first)
 

@@ -13,6 +13,7 @@ its outputs are the NPU's, bit for bit.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import math
@@ -394,16 +395,15 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
     Returns (the quantized model's outputs per sample, the float model's outputs per sample (empty lists without
     the reference), per-layer statistics by index, tensor records).
     """
-    before = Plan(dict(plan.tensors), dict(plan.weights), dict(plan.constants), set(plan.float_layers),
-                  dict(plan.reasons))
+    before = {f.name: copy.copy(getattr(plan, f.name)) for f in dataclasses.fields(plan)}  # each walk adds entries
     try:
         return _walk_once(ctx, plan, samples, calibrating, progress, reference)
     except Mispredicted as error:
         warnings.warn(NpuWarning(f"calibration: {error}; calibrating again with every layer built (slower; "
                                  "please report the model)"), stacklevel=2)
         ctx.predicting = False
-        for field_name in ("tensors", "weights", "constants", "float_layers", "reasons"):
-            setattr(plan, field_name, getattr(before, field_name))
+        for name, value in before.items():
+            setattr(plan, name, value)
         return _walk_once(ctx, plan, samples, calibrating, progress, reference)
 
 
@@ -581,7 +581,7 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
     if npu is None or npu.key != _key(layer, plan) or npu.weights is not wq:
         output_q = plan.tensors[layer.output]
         spec = LayerSpec(layer, ctx.folded, inputs_q, output_q, wq, constants)
-        build = functools.partial(NpuLayer, layer, ctx.folded, inputs_q, output_q, wq, constants, ctx.source, ctx.npu)
+        build = functools.partial(NpuLayer, spec, ctx.source, ctx.npu)
         npu = None
         mac = predict(layer, ctx.float.plans[layer.index], inputs_q[0], output_q, wq, ctx.source, ctx.npu) \
             if builder is not None else None

@@ -51,10 +51,9 @@ def predict(layer, plan, input_q, output_q, weights, source: str, config) -> Mac
     if plan is None or weights is None or plan.opcode not in MAC_OPS:
         return None
     op = MAC_OPS[plan.opcode]
-    out = output_q
     clamp = (-128, 127)
     if layer.clamp is not None:
-        bounds = quantized_activation(*layer.clamp, out.scale, out.zero_point)
+        bounds = quantized_activation(*layer.clamp, output_q.scale, output_q.zero_point)
         if bounds is None:
             return None
         clamp = integer_clamp(*bounds)
@@ -65,7 +64,8 @@ def predict(layer, plan, input_q, output_q, weights, source: str, config) -> Mac
     common = dict(op=op, input_scale=float(np.float32(input_q.scale)), input_zero_point=int(input_q.zero_point),
                   weight_scales=np.broadcast_to(np.asarray(weights.scales, np.float32), (channels,)).astype(np.float32),
                   weight_zero_points=np.zeros(channels, np.int32), per_channel=per_channel, bias=bias,
-                  output_scale=float(np.float32(out.scale)), output_zero_point=int(out.zero_point), clamp=clamp,
+                  output_scale=float(np.float32(output_q.scale)), output_zero_point=int(output_q.zero_point),
+                  clamp=clamp,
                   rounding=mac_rounding(op, per_channel))
     if plan.conv is None:
         (rows, depth) = (int(d) for d in layer.inputs[0].ty.shape.values)

@@ -408,27 +408,38 @@ def _emit_quantized(bb: relax.BlockBuilder, spec: LayerSpec, params: list[relax.
 def built_mac_layers(specs: list[LayerSpec], source: str, config: NpuConfig) -> list:
     """The :class:`npu_backend.codegen.lower.MacLayer` each layer's build gives (None where the layer is not one
     NPU region of its inputs, or not one MAC layer), the layers built as one module (:func:`layer_module`): what
-    :class:`NpuLayer` finds of each alone (its ``mac``), one ``partition_for_npu`` for them all. A layer is
-    whole when its output is a region's result and that region takes exactly its parameters."""
+    :class:`NpuLayer` finds of each alone (its ``mac``), one ``partition_for_npu`` for them all."""
     from ..codegen.lower import mac_layer
     from ..partition import partition_for_npu
 
     mod, params = layer_module(specs, source)
     partitioned = partition_for_npu(mod, config)
     main = partitioned["main"]
+    result = main.body.body
+    if len(specs) > 1:
+        bound = next((b.value for block in main.body.blocks for b in block.bindings if b.var.same_as(result)), None)
+        outputs = list(bound.fields) if isinstance(bound, relax.Tuple) and len(bound.fields) == len(specs) else []
+    else:
+        outputs = [result]
+    regions = _whole_regions(partitioned, outputs, params) if outputs else [None] * len(specs)
+    return [None if found is None else mac_layer(found[1], found[0]) for found in regions]
+
+
+def _whole_regions(partitioned: tvm.IRModule, outputs: list, params: list[list[relax.Var]]) -> list:
+    """For each layer, (symbol, region) when its output (a var of the partitioned ``main``) is an NPU region's
+    result and that region takes exactly the layer's parameters: the region computes the whole layer; else
+    None."""
+    main = partitioned["main"]
     value_of = {b.var: b.value for block in main.body.blocks for b in block.bindings}
-    result = value_of.get(main.body.body, main.body.body)
-    outputs = list(result.fields) if len(specs) > 1 and isinstance(result, relax.Tuple) else [main.body.body]
     inputs = {p.name: p for p in main.params}
     found = []
-    for layer_params, output in zip(params, outputs if len(outputs) == len(specs) else [None] * len(specs)):
+    for output, layer_params in zip(outputs, params):
         call = value_of.get(output)
-        if (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.GlobalVar)
-                and list(call.args) == [inputs.get(p.name) for p in layer_params]):
-            region = partitioned[call.op]
-            found.append(mac_layer(region, str(region.attrs["global_symbol"])))
-        else:
-            found.append(None)
+        region = partitioned[call.op] if isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.GlobalVar) \
+            else None
+        whole = (region is not None and region.attrs is not None and region.attrs.get("Codegen") == "npu"
+                 and list(call.args) == [inputs.get(p.name) for p in layer_params])
+        found.append((str(region.attrs["global_symbol"]), region) if whole else None)
     return found
 
 
@@ -436,30 +447,24 @@ class NpuLayer:
     """One quantized layer as the NPU runs it: its own QDQ module, partitioned; lowered and simulated when first
     run (a MAC layer whose outputs calibration reads from its integer sums never is)."""
 
-    def __init__(self, layer: Layer, folded: dict, inputs: list[TensorQ], output: TensorQ, weights: WeightQ | None,
-                 constants: dict, source: str, config: NpuConfig):
-        from ..codegen import npu_regions
+    def __init__(self, spec: LayerSpec, source: str, config: NpuConfig):
         from ..codegen.lower import mac_layer
         from ..partition import partition_for_npu
         from ..report import partition_report
 
-        mod, _ = layer_module([LayerSpec(layer, folded, inputs, output, weights, constants)], source)
+        mod, (params,) = layer_module([spec], source)
         partitioned = partition_for_npu(mod, config)
         self.config = config
-        self.weights = weights
+        self.weights = spec.weights
         self.on_npu = all(o.op in ("relax.quantize", "relax.dequantize")
                           for o in partition_report(partitioned).host_ops)
         self.partitioned = partitioned
         self.stream = self.prepared = self.vm = self.mac = None
-        regions = npu_regions(partitioned)
-        main = partitioned["main"]
-        bindings = [b for block in main.body.blocks for b in block.bindings]
-        self.whole = (len(regions) == 1 and len(bindings) == 1 and isinstance(bindings[0].value, relax.Call)
-                      and isinstance(bindings[0].value.op, tvm.ir.GlobalVar)
-                      and list(bindings[0].value.args) == list(main.params))
+        (region,) = _whole_regions(partitioned, [partitioned["main"].body.body], [params])
+        self.whole = region is not None
         """The layer is one NPU region taking the layer's inputs: its stream computes the layer."""
         if self.whole:
-            symbol, region = next(iter(regions.items()))
+            symbol, region = region
             self.mac = mac_layer(region, symbol)
             """The region as one MAC-array layer, when it is one: calibration then turns the layer's exact sums
             into its outputs (:meth:`.integer_sums.IntegerSums.npu_outputs`) and lowers no stream."""
