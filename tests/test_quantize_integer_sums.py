@@ -16,7 +16,7 @@ import pytest
 
 from float_models import float_conv_block, float_dense_chain
 from npu_backend import QConfig
-from npu_backend.quantization import _npu_config, calibrate, integer_sums
+from npu_backend.quantization import _npu_config, batched_float, calibrate, integer_sums
 from npu_backend.quantization.calibrate import _weights
 from npu_backend.quantization.config import ROUNDINGS
 from npu_backend.quantization.integer_sums import IntegerSums, exact_bound
@@ -85,6 +85,49 @@ def test_outputs_from_the_sums_are_the_simulated_streams(name, config, monkeypat
     assert got_overflows == want_overflows
     if config.accumulator_bits == 14:
         assert want_overflows > 0  # the narrow register is exercised
+
+
+@pytest.mark.parametrize("config", ["tflite", "14-bit wrap"])
+@pytest.mark.parametrize("name", LAYERS)
+def test_sums_formed_again_at_each_read_are_the_kept_sums(name, config, monkeypatch):
+    """Large sums of few products are not kept but formed again whenever they are read (the output stage, the
+    observation's outputs): every read equals the kept array's, byte for byte, and their statistics too."""
+    config = CONFIGS[config]
+    layer, x, wq, npu, plan, centred = _npu_layer(name, config,
+                                                  TensorQ(0.08 if config.accumulator_bits == 32 else 0.5, -7))
+    kept = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    monkeypatch.setattr(integer_sums, "formed_again", lambda *args: True)
+    monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", 50)  # several chunks, several blocks each
+    monkeypatch.setattr(batched_float, "BLOCK_ELEMENTS", 37)
+    again = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    assert kept.kept and kept._kept is not None and not again.kept and again._kept is None
+    assert len(again._chunks) > 1
+    for a, b in zip(kept.channel_extremes(), again.channel_extremes()):
+        assert np.array_equal(a, b)
+    assert np.array_equal(kept.channel_totals(), again.channel_totals())
+    (want, want_overflows), (got, got_overflows) = kept.npu_outputs(npu.mac), again.npu_outputs(npu.mac)
+    assert got.tobytes() == want.tobytes() and got_overflows == want_overflows
+    steps_ = (np.float32(0.05) * wq.scales).astype(np.float32)
+    outputs = [np.concatenate([b.copy() for b in sums.observed(wq.bias, steps_).output_batches()])
+               for sums in (kept, again)]
+    assert outputs[0].tobytes() == outputs[1].tobytes()
+    assert again.sums.tobytes() == kept.sums.tobytes()
+
+
+def test_only_large_sums_of_few_products_are_formed_again():
+    def plan_of(name):
+        (layer,), _ = cut_layers(LAYERS[name]()["main"])
+        return plan_weighted(layer)
+
+    large = (100, 112, 112, 96)  # 482 MB of float32
+    pointwise, depthwise, dense = plan_of("pointwise NCHW"), plan_of("depthwise NCHW"), plan_of("dense")
+    assert integer_sums.formed_again(pointwise, large, 16)
+    assert integer_sums.formed_again(pointwise, large, integer_sums.FORMED_AGAIN_PRODUCTS)
+    assert not integer_sums.formed_again(pointwise, large, integer_sums.FORMED_AGAIN_PRODUCTS + 1)
+    assert integer_sums.formed_again(depthwise, large, 960)  # 9 products, whatever its channels
+    assert not integer_sums.formed_again(plan_of("strided NCHW"), large, 4)  # 3 x 3 x 4 = 36 products
+    assert integer_sums.formed_again(dense, (4, integer_sums.FORMED_AGAIN_BYTES // 16), 12)
+    assert not integer_sums.formed_again(dense, (4, integer_sums.FORMED_AGAIN_BYTES // 16 - 1), 12)
 
 
 def test_sums_formed_without_totals_keep_their_extremes_and_outputs():

@@ -17,6 +17,7 @@ number of threads: the results are too, bit for bit.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,31 +71,59 @@ class WeightedPlan:
     weight_order: tuple[int, ...]
     """Transpose of the layer's weight to the opcode's ``[OC, KH, KW, IC]`` (depthwise: then ``[..., 0]``)."""
 
-    def sums(self, x: np.ndarray, weight: np.ndarray, then=None, zero_point: int = 0
-             ) -> np.ndarray | tuple[np.ndarray, list]:
+    def sums(self, x: np.ndarray, weight: np.ndarray, then=None, zero_point: int = 0, keep: bool = True
+             ) -> np.ndarray | tuple[np.ndarray | None, list]:
         """The layer's anchor (conv2d or matmul, before its bias) on ``x`` = ``[N, *input shape]``, float32; or on
         ``x - zero_point`` for an int8 ``x`` channels last, centred a chunk at a time as the chunk is summed (no
         float32 copy of the batch). With ``then``: also ``then``'s results on the sums in order, a chunk at a time
         (a row-wise layer's chunk a block of rows at a time, :func:`_row_blocks`), each called on the thread that
-        formed the values, while they are in cache."""
+        formed the values, while they are in cache. ``keep=False`` (int8 inputs, with ``then``): ``then``'s
+        results alone, the sums formed in a chunk's or a block's buffer and dropped (:meth:`int8_blocks` forms
+        them again)."""
         x, w = self._operands(x, weight)
         if zero_point and x.dtype != np.int8:
             raise ValueError("a zero point is subtracted from int8 inputs only")
         if x.dtype == np.int8 and self.channels_first:
             raise ValueError("int8 inputs are summed channels last")
-        out = buffers.empty(self._out_shape(x, w), np.float32)
+        if not keep and (then is None or x.dtype != np.int8):
+            raise ValueError("only the exact sums of int8 inputs are dropped, after their statistics are read")
+        shape = self._out_shape(x, w)
+        out = buffers.empty(shape, np.float32) if keep else None
         # int8 only: exact sums however the rows are cut. A float32 input here is an observation on dequantized
         # values, summed whole (the float model's pass, finished(), cuts its own blocks)
         matrix = self._row_matrix(w) if then is not None and x.dtype == np.int8 and self._row_wise(x) else None
 
         def chunk(part: slice):
+            dest = out[part] if keep else None
             if matrix is not None:  # ``then`` on blocks of rows a cache holds, each right after its product
-                return _row_blocks(x[part], matrix, out[part], zero_point, lambda block, rows: then(block))
-            self._sums_into(x[part], w, out[part], zero_point)
-            return None if then is None else [then(out[part])]
+                return _row_blocks(x[part], matrix, dest, zero_point, lambda block, rows: then(block))
+            if dest is None:
+                dest = buffers.empty((part.stop - part.start, *shape[1:]), np.float32)
+            self._sums_into(x[part], w, dest, zero_point)
+            return None if then is None else [then(dest)]
 
-        results = run_all(chunk, chunks(len(x), max(x[0].size, out[0].size)))
+        results = run_all(chunk, chunks(len(x), max(x[0].size, math.prod(shape[1:]))))
         return out if then is None else (out, [r for parts in results for r in parts])
+
+    def output_shape(self, x: np.ndarray, weight: np.ndarray) -> tuple[int, ...]:
+        """The shape of :meth:`sums` of ``x``."""
+        return self._out_shape(*self._operands(x, weight))
+
+    def int8_blocks(self, x: np.ndarray, weight: np.ndarray, zero_point: int):
+        """The sums of int8 ``x`` (channels last: a chunk of a batch) less ``zero_point``, formed again, as
+        ``(block, rows)``: ``[rows, channels]`` blocks of the flattened sums (:func:`_row_blocks`' blocks for a
+        row-wise layer, else one block of them all), each valid until the next. Exact integers, so equal to
+        :meth:`sums` however they are cut."""
+        x, w = self._operands(x, weight)
+        if x.dtype != np.int8 or self.channels_first:
+            raise ValueError("only an int8 input's sums, channels last, are formed again")
+        shape = self._out_shape(x, w)
+        if self._row_wise(x):
+            yield from _blocks_of_rows(x, self._row_matrix(w), zero_point)
+            return
+        dest = buffers.empty(shape, np.float32)
+        self._sums_into(x, w, dest, zero_point)
+        yield dest.reshape(-1, shape[-1]), slice(None)
 
     def _row_wise(self, x: np.ndarray) -> bool:
         """Whether each output row (a pixel's channels) is its input row times one matrix, channels last: a
@@ -305,7 +334,7 @@ def _bias(layer: Layer, bias) -> np.ndarray | None:
     return None if bias is None else np.asarray(bias, np.float32).reshape(layer.bias_shape)
 
 
-def _row_blocks(x: np.ndarray, matrix: np.ndarray, dest: np.ndarray, zero_point: int, then) -> list:
+def _row_blocks(x: np.ndarray, matrix: np.ndarray, dest: np.ndarray | None, zero_point: int, then) -> list:
     """``dest = (x - zero_point) @ matrix`` row-wise (an int8 ``x`` centred, a float32 one as it is),
     :data:`BLOCK_ELEMENTS` outputs at a time, ``then(block, rows)`` called on each block (the slice ``rows`` of
     ``dest``'s flattened rows) while it is in cache: a sample of an early MobileNetV2 layer is megabytes of sums,
@@ -316,23 +345,32 @@ def _row_blocks(x: np.ndarray, matrix: np.ndarray, dest: np.ndarray, zero_point:
     float32 block's products may round otherwise than the whole chunk's (OpenBLAS picks its kernels by the
     number of rows): the same float32 sums in another order, the same for any thread count (the blocks are cut
     from the chunks, which are fixed). Float32 inputs come from the float model's pass alone
-    (:meth:`WeightedPlan.finished`); :meth:`WeightedPlan.sums` blocks int8 inputs only."""
-    rows_in, rows_out = x.reshape(-1, x.shape[-1]), dest.reshape(-1, dest.shape[-1])
-    step = max(1, BLOCK_ELEMENTS // rows_out.shape[1])
+    (:meth:`WeightedPlan.finished`); :meth:`WeightedPlan.sums` blocks int8 inputs only. ``dest=None``: each
+    block in one reused buffer (:func:`_blocks_of_rows`)."""
+    return [then(out, rows) for out, rows in _blocks_of_rows(x, matrix, zero_point, dest)]
+
+
+def _blocks_of_rows(x: np.ndarray, matrix: np.ndarray, zero_point: int, dest: np.ndarray | None = None):
+    """``(x - zero_point) @ matrix`` row-wise, :data:`BLOCK_ELEMENTS` outputs at a time, as ``(block, rows)``:
+    each block is the slice ``rows`` of ``dest``'s flattened rows, or with no ``dest`` one buffer reused (valid
+    until the next block)."""
+    rows_in = x.reshape(-1, x.shape[-1])
+    step = max(1, BLOCK_ELEMENTS // matrix.shape[1])
+    rows_out = (dest.reshape(-1, dest.shape[-1]) if dest is not None
+                else np.empty((min(step, len(rows_in)), matrix.shape[1]), np.float32))
     centring = x.dtype != np.float32
     centred = np.empty((min(step, len(rows_in)), rows_in.shape[1]), np.float32) if centring else None
-    results = []
     for start in range(0, len(rows_in), step):
         rows = slice(start, min(start + step, len(rows_in)))
-        block, out = rows_in[rows], rows_out[rows]
+        block = rows_in[rows]
+        out = rows_out[rows] if dest is not None else rows_out[:len(block)]
         if centring:
             operand = centred[:len(block)]
             np.subtract(block, np.float32(zero_point), out=operand, dtype=np.float32)
         else:
             operand = block
         np.matmul(operand, matrix, out=out)
-        results.append(then(out, rows))
-    return results
+        yield out, rows
 
 
 def finish_into(layer: Layer, sums: np.ndarray, bias: np.ndarray | None, acc: np.ndarray, out: np.ndarray) -> None:

@@ -9,7 +9,8 @@ The NPU's MAC array sums ``(x - zp) * w`` exactly; the bias, the register's widt
   - the accumulators' per-channel extremes (peaks, overflow avoidance) and totals (bias correction);
   - the NPU's int8 outputs, which the next layers take.
 
-All three are read from one array of sums, formed by the float32 plan of :mod:`.batched_float` on the centred
+All three are read from one array of sums (formed again at each read instead, where it is large and each sum takes
+few products: :func:`formed_again`), formed by the float32 plan of :mod:`.batched_float` on the centred
 int8 input and the int8 weights, channels last whatever the model's layout (the output stage broadcasts its
 per-channel words along the last axis; an NCHW model's int8 input and output are transposed instead, a byte
 each). Every product and partial sum is an integer, so the float32 sums are exact while
@@ -21,10 +22,12 @@ on dequantized values to observe it, and twice more (sums and output stage) in t
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING
 
 import numpy as np
 
+from simulator.isa import Opcode
 from simulator.kernels import mac_register_output
 from simulator.mac_plans import MacConstants, exact_float_path
 from simulator.numerics import Float64Requantizer
@@ -44,6 +47,27 @@ STAGE_BLOCK = 1 << 18
 """Accumulators the output stage takes per call (it works through them in blocks of its own): enough that each
 call's fixed cost (finding its cached requantizer, binding its blocks) is small against the values, few enough
 that ``sums + bias`` is formed in a reused buffer."""
+
+
+FORMED_AGAIN_BYTES = 64 << 20
+"""Integer sums this large are not kept between their reads when each takes few products (below): they are the
+calibration's largest arrays (a MobileNetV2's first expansion at 100 samples: 482 MB), and a batch-sized array is
+memory the machine must hand out, zeroed, once more (on a virtual machine whose host takes freed memory back, 1 to
+2 s per GB, measured), where forming the sums again costs a few products per value."""
+FORMED_AGAIN_PRODUCTS = 32
+"""Products per sum up to which sums of :data:`FORMED_AGAIN_BYTES` or more are formed again when read: a
+depthwise convolution's 9, a first RGB convolution's 27, a pointwise expansion of 16 to 32 channels."""
+
+
+def formed_again(plan: WeightedPlan, shape: tuple[int, ...], in_channels: int) -> bool:
+    """Whether the sums of ``shape`` (float32) are formed again at each read rather than kept (the constants
+    above)."""
+    if plan.conv is None:
+        products = in_channels
+    else:
+        height, width = plan.conv.kernel
+        products = height * width * (1 if plan.opcode == Opcode.DEPTHWISE_CONV2D else in_channels)
+    return math.prod(shape) * 4 >= FORMED_AGAIN_BYTES and products <= FORMED_AGAIN_PRODUCTS
 
 
 def exact_bound(largest_input: int, weight: np.ndarray, axis: int, bias: np.ndarray | None) -> int:
@@ -69,15 +93,39 @@ class IntegerSums:
         channels last, :mod:`.storage`)."""
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
         statistics = _channel_statistics if totals else _channel_extremes  # totals: for bias correction alone
-        self.sums, parts = dataclasses.replace(plan, channels_first=False).sums(centred, weight.astype(np.float32),
-                                                                              then=statistics,
-                                                                              zero_point=input_zero_point)
-        self.channels = self.sums.shape[-1]
-        self.per_channel = self.sums.size // self.channels
-        self._chunks = chunks(len(self.sums), self.sums[0].size)
+        self._plan, self._weight32, self._centred = (dataclasses.replace(plan, channels_first=False),
+                                                     weight.astype(np.float32), centred)
+        self.shape = self._plan.output_shape(centred, self._weight32)
+        self.kept = not formed_again(self._plan, self.shape, centred.shape[-1])
+        self._kept, parts = self._plan.sums(centred, self._weight32, then=statistics, zero_point=input_zero_point,
+                                            keep=self.kept)
+        self.channels = self.shape[-1]
+        self.per_channel = math.prod(self.shape) // self.channels
+        self._chunks = chunks(self.shape[0], math.prod(self.shape[1:]))
         self._extremes = (np.minimum.reduce([p[0] for p in parts]).astype(np.float64),
                           np.maximum.reduce([p[1] for p in parts]).astype(np.float64))
         self._totals = np.sum([p[2] for p in parts], axis=0) if totals else None
+
+    @property
+    def sums(self) -> np.ndarray:
+        """Every sum, ``[N, ..., channels]`` float32 (formed again, whole, when they were not kept)."""
+        if self._kept is not None:
+            return self._kept
+        whole = np.empty(self.shape, np.float32)
+        for part in self._chunks:
+            rows = whole[part].reshape(-1, self.channels)
+            for block, where in self.blocks(part):
+                rows[where] = block
+        return whole
+
+    def blocks(self, part: slice):
+        """The sums of the samples ``part`` as ``(block, rows)``: ``[rows, channels]`` blocks of their flattened
+        sums (``rows`` a slice of them), each valid until the next; the kept array's rows, or formed again
+        (:meth:`.batched_float.WeightedPlan.int8_blocks`: exact integers, the same values)."""
+        if self._kept is not None:
+            yield self._kept[part].reshape(-1, self.channels), slice(None)
+            return
+        yield from self._plan.int8_blocks(self._centred[part], self._weight32, self.input_zero_point)
 
     def exact_with(self, bias: np.ndarray | None) -> bool:
         largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
@@ -115,7 +163,7 @@ class IntegerSums:
                 or not self.exact_with(p.bias)):
             return None
         bias = np.asarray(p.bias, np.float32)
-        shape, channels = self.sums.shape, self.channels
+        shape, channels = self.shape, self.channels
         out = buffers.empty((*shape[:2], shape[-1], *shape[2:-1]) if self.model_layout else shape, np.int8)
         step = max(1, STAGE_BLOCK // channels)
         low, high = self.channel_extremes()
@@ -129,10 +177,8 @@ class IntegerSums:
         bounds = np.maximum(np.abs(low), np.abs(high)).astype(np.int64)
         folded, fold = exact_float_path(bounds, constants.bias, constants.register_max, constants.requantizer)
 
-        def chunk(part: slice) -> int:
-            rows = self.sums[part].reshape(-1, channels)
-            last = buffers.empty(self.sums[part].shape, np.int8) if self.model_layout else out[part]
-            written = last.reshape(-1, channels)
+        def stage(rows: np.ndarray, written: np.ndarray) -> int:
+            """``rows`` of sums through the output stage into ``written``; their overflows."""
             overflows = 0
             if folded and kernels.requantize_applies(channels):  # the same stage, compiled: one pass
                 kernels.requantize(rows, constants.requantizer, written)
@@ -142,13 +188,19 @@ class IntegerSums:
                     constants.requantizer.bind(rows[start:start + step], written[start:start + step], work,
                                                fold=fold)()
             else:
-                acc = np.empty((min(step, len(rows)), channels), self.sums.dtype)
+                acc = np.empty((min(step, len(rows)), channels), np.float32)
                 for start in range(0, len(rows), step):
                     block = rows[start:start + step]
                     np.add(block, bias, out=acc[:len(block)])
                     values, count = mac_register_output(acc[:len(block)], mac.conv, mac.config, mac.table, largest)
                     written[start:start + step] = values
                     overflows += count
+            return overflows
+
+        def chunk(part: slice) -> int:
+            last = buffers.empty((part.stop - part.start, *shape[1:]), np.int8) if self.model_layout else out[part]
+            written = last.reshape(-1, channels)
+            overflows = sum(stage(rows, written[where]) for rows, where in self.blocks(part))
             if self.model_layout:
                 to_channels_first(last, out[part])
             return overflows
@@ -182,7 +234,7 @@ class IntegerObservation:
         self._bias = None if bias is None else np.asarray(bias, np.int64).reshape(-1)
         self._steps = np.broadcast_to(np.asarray(steps, np.float32).reshape(-1), (sums.channels,))
         self._dtype = np.float32 if sums.exact_with(self._bias) else np.float64
-        self.shape, self.ndim = sums.sums.shape, sums.sums.ndim
+        self.shape, self.ndim = sums.shape, len(sums.shape)
 
     def _bias_or_zero(self) -> np.ndarray:
         return np.zeros(self._sums.channels) if self._bias is None else self._bias.astype(np.float64)
@@ -226,19 +278,22 @@ class IntegerObservation:
         bias = None if self._bias is None else self._bias.astype(self._dtype)
         steps = self._steps
 
-        def finish(part: slice, rows: np.ndarray) -> None:
-            if self._dtype == np.float32:
-                if bias is None:
-                    np.multiply(sums.sums[part], steps, out=rows)
+        def finish(part: slice, finished: np.ndarray) -> None:
+            flat = finished.reshape(-1, sums.channels)
+            for block, where in sums.blocks(part):
+                rows = flat[where]
+                if self._dtype == np.float32:
+                    if bias is None:
+                        np.multiply(block, steps, out=rows)
+                    else:
+                        np.add(block, bias, out=rows)  # exact
+                        np.multiply(rows, steps, out=rows)
                 else:
-                    np.add(sums.sums[part], bias, out=rows)  # exact
-                    np.multiply(rows, steps, out=rows)
-            else:
-                wide = sums.sums[part].astype(np.float64)
-                if bias is not None:
-                    wide += bias
-                np.multiply(wide, steps, out=rows, casting="same_kind")
-            _clamp(sums.layer, rows)
+                    wide = block.astype(np.float64)
+                    if bias is not None:
+                        wide += bias
+                    np.multiply(wide, steps, out=rows, casting="same_kind")
+                _clamp(sums.layer, rows)
 
         return finished_batches(self.shape, sums._chunks, finish)
 
