@@ -84,9 +84,35 @@ def test_a_reused_buffer_is_handed_out_again_only_once_every_view_of_it_is_gone(
         assert again.__array_interface__["data"][0] == address
         assert again.flags.c_contiguous and again.flags.writeable and again.shape == (size,)
         del other, again
-    assert buffers._free == [] and not buffers._returned  # a finished calibration keeps nothing
+    assert buffers._regions == [] and not buffers._returned  # a finished calibration keeps nothing
     outside = buffers.empty((2, size), np.float32)
     assert outside.base is None  # plain arrays outside a calibration
+
+
+def test_a_freed_buffer_serves_smaller_requests_in_pieces_that_merge_again():
+    """A batch-sized buffer, once free, holds the next layers' smaller arrays side by side (each from the
+    smallest hole that fits, page-aligned), and the pieces given back merge into the whole buffer again."""
+    page = buffers.ALIGN
+    with buffers.reuse():
+        big = buffers.empty((4 * buffers.POOLED_BYTES,), np.uint8)
+        start = big.__array_interface__["data"][0]
+        del big
+        gc.collect()
+        first = buffers.empty((buffers.POOLED_BYTES + 1,), np.uint8)  # rounded up to whole pages
+        second = buffers.empty((buffers.POOLED_BYTES // 4,), np.float64)
+        assert first.__array_interface__["data"][0] == start
+        assert second.__array_interface__["data"][0] == start + buffers.POOLED_BYTES + page
+        (region,) = buffers._regions
+        assert region.holes == [(3 * buffers.POOLED_BYTES + page, buffers.POOLED_BYTES - page)]
+        del first
+        gc.collect()
+        third = buffers.empty((buffers.POOLED_BYTES // 4,), np.float32)  # the one hole of the two that holds it
+        assert third.__array_interface__["data"][0] == start
+        del second, third
+        gc.collect()
+        assert region.idle and len(buffers._regions) == 1  # merged back into one hole
+        whole = buffers.empty((buffers.POOLED_BYTES,), np.float32)
+        assert whole.__array_interface__["data"][0] == start and len(buffers._regions) == 1
 
 
 def test_an_array_that_dies_while_the_pool_is_locked_does_not_deadlock(monkeypatch):
