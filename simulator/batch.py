@@ -67,8 +67,16 @@ def _rows(memory: np.ndarray, offset: int, rows: int, stride: int, row_bytes: in
                                            strides=(memory.strides[0], stride, 1), writeable=True)
 
 
+def _zeros(shape: tuple[int, ...], empty) -> np.ndarray:
+    if empty is None:
+        return np.zeros(shape, np.uint8)
+    memory = empty(shape, np.uint8)
+    memory.fill(0)
+    return memory
+
+
 class _BatchState:
-    def __init__(self, stream: CommandStream, inputs: Mapping[str, np.ndarray], config: NpuConfig):
+    def __init__(self, stream: CommandStream, inputs: Mapping[str, np.ndarray], config: NpuConfig, empty=None):
         declared = {b.name: (i, b) for i, b in stream.buffers_of(BufferKind.INPUT)}
         missing, extra = sorted(set(declared) - set(inputs)), sorted(set(inputs) - set(declared))
         if missing or extra:
@@ -83,20 +91,27 @@ class _BatchState:
             if value.dtype != np.dtype(buf.dtype) or tuple(value.shape[1:]) != tuple(buf.shape):
                 raise ExecutionError(f"input {name!r} must be a batch of {buf.dtype}{list(buf.shape)}, "
                                      f"got {value.dtype}{list(value.shape)}")
-            loaded[index] = np.ascontiguousarray(value).reshape(self.batch, -1).view(np.uint8).copy()
+            data = np.ascontiguousarray(value).reshape(self.batch, -1).view(np.uint8)
+            loaded[index] = data.copy() if empty is None else _copied(data, empty)
         self.dram = []
         for index, buf in enumerate(stream.buffers):
             if buf.kind == BufferKind.CONSTANT:
                 self.dram.append(np.frombuffer(buf.data, dtype=np.uint8))
             else:
-                self.dram.append(loaded.get(index, np.zeros((self.batch, buf.size), dtype=np.uint8)))
-        self.sram = np.zeros((self.batch, config.sram_bytes), dtype=np.uint8)
+                self.dram.append(loaded[index] if index in loaded else _zeros((self.batch, buf.size), empty))
+        self.sram = _zeros((self.batch, config.sram_bytes), empty)
         self.uniform = np.zeros(config.sram_bytes, dtype=bool)
         self.samples = [MachineState(sram=self.sram[n], dram=[d if d.ndim == 1 else d[n] for d in self.dram])
                         for n in range(self.batch)]
 
     def is_uniform(self, address: int, size: int) -> bool:
         return bool(self.uniform[address:address + size].all())
+
+
+def _copied(data: np.ndarray, empty) -> np.ndarray:
+    memory = empty(data.shape, data.dtype)
+    memory[...] = data
+    return memory
 
 
 def _dma(state: _BatchState, opcode: Opcode, dma: DmaCopy, config: NpuConfig) -> int:
@@ -332,11 +347,14 @@ class PreparedBatch:
         self.tables = {index: shared.get(c.opcode, c.payload)[0] for index, c in enumerate(stream.commands)
                        if c.opcode in ELEMENTWISE_OPCODES and _pairable(c.payload)}
 
-    def run(self, inputs: Mapping[str, np.ndarray]) -> tuple[dict[str, np.ndarray], list[int]]:
+    def run(self, inputs: Mapping[str, np.ndarray], empty=None) -> tuple[dict[str, np.ndarray], list[int]]:
         """Outputs by name (``[N, *shape]`` each) and each command's accumulator overflows summed over the batch:
-        equal to N runs of :func:`simulator.machine.run_stream`."""
+        equal to N runs of :func:`simulator.machine.run_stream`. ``empty(shape, dtype)``, if given, allocates
+        the run's memories (the batch's DRAM buffers and SRAM images, zeroed here), and the outputs are views of
+        them: a caller running many batches hands out memory it reuses (calibration's pool), where each run's
+        ``np.zeros`` of a hundred SRAM images was fresh memory, faulted in and zeroed again."""
         stream, config = self.stream, self.config
-        state = _BatchState(stream, inputs, config)
+        state = _BatchState(stream, inputs, config, empty)
         counts = []
         fused_until = 0
         for index, command in enumerate(stream.commands):
@@ -366,9 +384,9 @@ class PreparedBatch:
                 ofm = command.payload.ofm
                 state.uniform[ofm.address:ofm.address + ofm.nbytes] = False
             counts.append(int(overflows))
-        outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape((state.batch, *buf.shape)).copy()
+        outputs = {buf.name: state.dram[i].view(np.dtype(buf.dtype)).reshape((state.batch, *buf.shape))
                    for i, buf in stream.buffers_of(BufferKind.OUTPUT)}
-        return outputs, counts
+        return ({name: value.copy() for name, value in outputs.items()} if empty is None else outputs), counts
 
 
 def _uniform_operands(state: _BatchState, opcode: Opcode, conv: Convolution) -> bool:

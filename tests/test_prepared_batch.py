@@ -16,7 +16,7 @@ from npu_backend.codegen.lower import lower_module
 from npu_backend.codegen.schedule import SCHEDULE_VARIANTS
 from npu_backend.params import NpuOp
 from simulator import get_config, run_stream
-from simulator.batch import PreparedBatch, run_stream_batch
+from simulator.batch import PreparedBatch, _BatchState, run_stream_batch
 from simulator.isa import BufferKind, Opcode
 
 BASE = get_config("npu-256")
@@ -36,12 +36,29 @@ def test_a_prepared_batch_equals_one_run_per_sample_run_after_run(op, kwargs):
     stream = layer_stream(params, BASE)
     prepared = PreparedBatch(stream, BASE)
     assert prepared.macs  # the constant-weight path is the one under test
+    handed = []
+
+    def dirty(shape, dtype):  # memory a caller reuses holds what it held before: the run must zero it itself
+        handed.append(np.full(shape, 0x5A, np.uint8).view(dtype))
+        return handed[-1]
+
     for seed in range(2):  # the same prepared stream, twice: nothing of one run leaks into the next
         batch = np.random.default_rng(seed).integers(-128, 128, (3, *params.ifm_shape)).astype(np.int8)
-        outputs, overflows = prepared.run({"ifm": batch})
-        for n, (single, stats) in enumerate(_per_sample(stream, "ifm", batch, BASE)):
-            np.testing.assert_array_equal(outputs["ofm"][n], single["ofm"])
-        assert sum(overflows) == 0
+        singles = _per_sample(stream, "ifm", batch, BASE)
+        for empty in (None, dirty):
+            outputs, overflows = prepared.run({"ifm": batch}, empty=empty)
+            for n, (single, stats) in enumerate(singles):
+                np.testing.assert_array_equal(outputs["ofm"][n], single["ofm"])
+            assert sum(overflows) == 0
+    assert any(np.shares_memory(outputs["ofm"], memory) for memory in handed)  # outputs: views, not copies
+    # before any command, the memories the caller handed out hold what one run's start with: zeros and the inputs
+    state = _BatchState(stream, {"ifm": batch}, BASE, dirty)
+    assert state.sram.shape == (3, BASE.sram_bytes) and not state.sram.any()
+    for memory, buf in zip(state.dram, stream.buffers):
+        if buf.kind == BufferKind.INPUT:
+            assert memory.tobytes() == batch.tobytes()
+        elif buf.kind != BufferKind.CONSTANT:
+            assert memory.shape == (3, buf.size) and not memory.any()
 
 
 def test_the_constant_mac_declines_where_the_accumulator_can_overflow_and_the_kernel_counts_it():

@@ -500,7 +500,7 @@ class NpuLayer:
 
         def run(part: slice):
             feeds = {name: np.ascontiguousarray(x[part]) for name, x in zip(self.names, inputs)}
-            out, overflows = self.prepared.run(feeds)
+            out, overflows = self.prepared.run(feeds, empty=buffers.empty)
             return out["output0"], sum(overflows)
 
         parts = [slice(start, start + step) for start in range(0, count, step)]
