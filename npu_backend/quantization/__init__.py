@@ -22,7 +22,7 @@ from . import buffers
 from .batched_float import one_blas_thread
 from .calibrate import Context, LayerStats, Plan, check_float_module, sqnr_db, walk
 from .config import ROUNDINGS, QConfig
-from .layers import Output, cut_layers
+from .layers import Output, cut_layers, prepared, tir_functions
 from .qdq import emit_module
 from .report import REPORT_ATTR, LayerEntry, QuantizationReport, TensorEntry, quantization_report
 
@@ -180,12 +180,13 @@ def calibrate(mod: tvm.IRModule, calibration_data, config: QConfig | None = None
         raise NpuError(f"config must be a QConfig, not {type(config).__name__}")
     if not isinstance(mod, tvm.IRModule) or "main" not in mod:
         raise NpuError("quantize needs an IRModule with a 'main' function")
+    check_float_module(mod["main"])
+    mod = prepared(mod)
     func = mod["main"]
-    check_float_module(func)
     samples = calibration_samples(calibration_data, func.params)
     layers, folded = cut_layers(func)
     source = ROUNDINGS[config.rounding]
-    ctx = Context(func, layers, folded, config, _npu_config(config), source)
+    ctx = Context(func, layers, folded, config, _npu_config(config), source, tir_functions(mod))
     float_layers, reasons = _initial_float_layers(layers, config)
     with one_blas_thread(), buffers.reuse():
         plan, output_db, stats, records = _calibrate(ctx, float_layers, reasons, samples, progress)

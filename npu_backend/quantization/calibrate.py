@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import numpy as np
+import tvm
 from tvm import relax
 
 from simulator.config import NpuConfig
@@ -154,8 +155,11 @@ class Context:
     """The float graph, cut and compiled once, and what every walk over it needs."""
 
     def __init__(self, func: relax.Function, layers: list[Layer], folded: dict, config: QConfig, npu: NpuConfig,
-                 source: str):
+                 source: str, tir: dict | None = None):
         self.func, self.layers, self.folded, self.config, self.npu, self.source = func, layers, folded, config, npu, source
+        self.tir = dict(tir or {})
+        """The TIR functions the model's ``call_tir`` bindings call (an importer's ``emit_te``: ONNX's Pad), by
+        global var: every module holding such a layer (the float layers, the quantized model) takes them along."""
         self._float = None
         self.producer = {layer.output: layer for layer in layers}
         self.consumers: dict = {}
@@ -206,7 +210,7 @@ class Context:
     def float(self) -> FloatLayers:
         """The layers compiled as float functions (on first use: loading a stored model does not need them)."""
         if self._float is None:
-            self._float = FloatLayers(self.layers, self.folded)
+            self._float = FloatLayers(self.layers, self.folded, self.tir)
         return self._float
 
     def quantized(self, layer: Layer, plan: Plan) -> bool:
@@ -379,8 +383,13 @@ def _accumulator_peaks(layer: Layer, chunks, input_q: TensorQ, wq: WeightQ) -> n
 
 
 def _constants(layer: Layer) -> dict:
+    """Each float constant operand quantized on its own range, at the rank of the layer's output: a scalar or
+    short constant broadcasts the same with leading ones, and the partitioner's fusion took the quantized graph's
+    0-d and 1-d constant operands for variables it had not seen (a TVM ``InternalError`` on ``x * 0.5``)."""
+    rank = len(layer.output.ty.shape.values)
     out = {}
     for constant, data in layer.constants.items():
+        data = data.reshape((1,) * (rank - data.ndim) + data.shape) if data.ndim < rank else data
         scale, zp = activation_qparams(min(float(data.min()), 0.0), max(float(data.max()), 0.0), bits=8)
         q = TensorQ(float(scale), int(zp))
         out[constant] = (quantize_host(data, q), q)
@@ -655,7 +664,8 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     dq_inputs = functools.cache(lambda: [value(v) for v in layer.inputs])  # the integer sums do not need them
     model_inputs = functools.cache(lambda: [storage.to_model(x) if v in ctx.kept else x
                                             for x, v in zip(dq_inputs(), layer.inputs)])
-    dq_consts = [dequantize_host(constants[c][0], constants[c][1]) for c in layer.constants]
+    dq_consts = [dequantize_host(constants[c][0], constants[c][1]).reshape(data.shape)  # the float function's own
+                 for c, data in layer.constants.items()]
     problem = None  # least-squares weight rounding (reconstruct.py), applied to every choice of weight scales
     if wq is not None and config.weight_rounding == "least_squares" and ctx.float.plans[layer.index] is not None:
         problem = reconstruct.build(ctx.float.plans[layer.index], dq_inputs()[0], float_accumulators.values,
@@ -743,6 +753,11 @@ def check_float_module(func: relax.Function) -> None:
         if dtype != "float32":
             raise NpuError(f"quantize needs a float model: input {param.name} is {dtype or 'not a tensor'} "
                            "(is the model already quantized?)")
+        shape = getattr(param.ty, "shape", None)
+        dims = getattr(shape, "values", None)
+        if dims is None or not all(isinstance(d, tvm.tirx.IntImm) for d in dims):
+            raise NpuError(f"quantize needs static input shapes: input {param.name} is {shape} (export the model with "
+                           "a fixed batch of 1, or bind its symbolic sizes: relax.transform.BindSymbolicVars)")
     for block in func.body.blocks:
         for binding in block.bindings:
             value = binding.value

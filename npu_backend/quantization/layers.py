@@ -127,8 +127,14 @@ def resolve(var, folded: dict):
     return var
 
 
+def _is_tensor_constant(expr) -> bool:
+    """A constant tensor operand (not a shape's or a slice's integer, which TVM 0.27's ``IntImm`` also makes a
+    ``Constant``)."""
+    return isinstance(expr, Constant) and hasattr(expr.value, "numpy")
+
+
 def _constant(expr, folded: dict):
-    if isinstance(expr, Constant):
+    if _is_tensor_constant(expr):
         return expr.value.numpy()
     if isinstance(expr, relax.Var) and isinstance(folded.get(expr), np.ndarray):
         return folded[expr]
@@ -231,8 +237,21 @@ class _Graph:
 
 
 def function_outputs(func: relax.Function) -> list:
-    result = func.body.body
+    """The function's outputs: its result, or the fields of the tuple it returns (bound to a var of its last
+    block, as Relax's normal form writes a model with several outputs)."""
+    result = _output_tuple(func)
+    result = func.body.body if result is None else result
     return list(result.fields) if isinstance(result, relax.Tuple) else [result]
+
+
+def _output_tuple(func: relax.Function) -> relax.Tuple | None:
+    result = func.body.body
+    if isinstance(result, relax.Var):
+        for block in func.body.blocks:
+            for binding in block.bindings:
+                if binding.var.same_as(result) and isinstance(binding.value, relax.Tuple):
+                    return binding.value
+    return None
 
 
 def _operands(value) -> list:
@@ -305,6 +324,47 @@ def _output_axis(call) -> int:
     return len(call.ty.shape.values) - 1
 
 
+def prepared(mod: tvm.IRModule) -> tvm.IRModule:
+    """The float model as the layer cut reads it: operators that are arithmetic at inference decomposed into it
+    (an unfolded batch norm, which returns a tuple, becomes its arithmetic, the tuple's unused fields dropped),
+    every expression of constants alone computed (a ReLU of a constant branch, a Gemm's bias times its beta), and
+    a split's parts taken as slices: none is anything an NPU layer or the float pass could run as written."""
+    passes = tvm.transform.Sequential([relax.transform.DecomposeOpsForInference(), relax.transform.FoldConstant(),
+                                       relax.transform.CanonicalizeBindings()])
+    mod = passes(mod)
+    mod["main"] = _SplitsAsSlices().visit_expr(mod["main"])
+    return relax.transform.DeadCodeElimination()(mod)
+
+
+@relax.expr_functor.mutator
+class _SplitsAsSlices(relax.PyExprMutator):
+    """Each part of a ``split`` taken as the strided slice it is: a layer's output is one tensor, and the NPU
+    moves a slice's bytes (the split itself, a tuple, is then unused and dropped)."""
+
+    def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
+        tup = op.tuple_value
+        split = self.lookup_binding(tup) if isinstance(tup, relax.Var) else tup
+        if not is_call(split, "relax.split"):
+            return super().visit_tuple_getitem_(op)
+        x = self.visit_expr(split.args[0])
+        axis = int(split.attrs.axis)
+        shape = [int(d) for d in x.ty.shape.values]
+        axis %= len(shape)
+        sections = split.attrs.indices_or_sections
+        if isinstance(sections, (int, tvm.tirx.IntImm)):
+            step = shape[axis] // int(sections)
+            bounds = [step * k for k in range(int(sections) + 1)]
+        else:
+            bounds = [0, *(int(i) for i in sections), shape[axis]]
+        k = int(op.index)
+        return relax.op.strided_slice(x, axes=[axis], begin=[bounds[k]], end=[bounds[k + 1]])
+
+
+def tir_functions(mod: tvm.IRModule) -> dict:
+    """The module's TIR functions by global var (what its ``call_tir`` bindings call)."""
+    return {var: func for var, func in mod.functions.items() if isinstance(func, tvm.tirx.PrimFunc)}
+
+
 def cut_layers(func: relax.Function) -> tuple[list[Layer], dict]:
     """The layers of a float function in topological order, and what was folded: constants computed from
     constant bindings, and aliases."""
@@ -317,9 +377,10 @@ def cut_layers(func: relax.Function) -> tuple[list[Layer], dict]:
         if constant is not None:
             folded[binding.var] = constant
             taken.add(binding.var)
+    returned = func.body.body if _output_tuple(func) is not None else None
     for binding in graph.bindings:
         var, value = binding.var, binding.value
-        if var in taken:
+        if var in taken or var.same_as(returned):  # the outputs' tuple is no layer: function_outputs reads it
             continue
         if isinstance(value, relax.Call) and not isinstance(value.op, tvm.ir.Op):
             raise NpuError(f"quantize: {var.name} calls a function; quantize a module straight from an importer")
@@ -349,7 +410,7 @@ def cut_layers(func: relax.Function) -> tuple[list[Layer], dict]:
                         layer.output = bias_var
             elif kind.output != Output.FLOAT:
                 for arg in _operands(value):
-                    if isinstance(arg, Constant) and arg.value.numpy().dtype.kind == "f":
+                    if _is_tensor_constant(arg) and arg.value.numpy().dtype.kind == "f":
                         layer.constants[arg] = arg.value.numpy()
                 if kind.name in ("add", "subtract", "multiply") and not layer.inputs:
                     layer.kind = HOST

@@ -68,7 +68,10 @@ def predict(layer, plan, input_q, output_q, weights, source: str, config) -> Mac
                   clamp=clamp,
                   rounding=mac_rounding(op, per_channel))
     if plan.conv is None:
-        (rows, depth) = (int(d) for d in layer.inputs[0].ty.shape.values)
+        shape = [int(d) for d in layer.inputs[0].ty.shape.values]
+        if len(shape) != 2:
+            return None  # the NPU's fully connected layer takes [rows, depth]: the layer's own build decides
+        rows, depth = shape
         params = ConvParams(ifm_shape=(rows, depth), ofm_shape=(rows, channels),
                             weights=np.ascontiguousarray(np.asarray(weights.weight).T), **common)
     else:

@@ -18,6 +18,7 @@ from tvm import relax
 from ..reference import SOURCE_ATTR
 from .calibrate import Context, Plan
 from .rewrite import Operands, const, dequantize, dequantized_bias, dequantized_weight, emit_layer, quantize
+from .steps import with_tir
 
 
 def emit_module(ctx: Context, plan: Plan) -> tvm.IRModule:
@@ -66,4 +67,4 @@ def emit_module(ctx: Context, plan: Plan) -> tvm.IRModule:
             result = results[0] if len(results) == 1 else bb.emit(relax.Tuple(results))
             result = bb.emit_output(result)
         bb.emit_func_output(result)
-    return bb.get().with_attr(SOURCE_ATTR, ctx.source)
+    return with_tir(bb.get(), ctx.tir).with_attr(SOURCE_ATTR, ctx.source)

@@ -73,10 +73,10 @@ class FloatLayers:
     ufuncs (:class:`ElementwiseLayer`); the others are compiled by TVM (those only) and run sample by sample.
     """
 
-    def __init__(self, layers: list[Layer], folded: dict):
+    def __init__(self, layers: list[Layer], folded: dict, tir: dict | None = None):
         self.plans = {layer.index: plan_weighted(layer) for layer in layers}
         self.elementwise = {layer.index: _elementwise_operands(layer, folded) for layer in layers}
-        self._layers, self._folded, self._vm = layers, folded, None
+        self._layers, self._folded, self._tir, self._vm = layers, folded, dict(tir or {}), None
         self._vm_lock = threading.Lock()  # the reference pass and the walk share one VM, which is not reentrant
 
     @property
@@ -84,14 +84,15 @@ class FloatLayers:
         with self._vm_lock:
             if self._vm is None:
                 with parallel.TVM_LOCK:
-                    self._vm = self._compile([layer for layer in self._layers if self._on_tvm(layer)], self._folded)
+                    self._vm = self._compile([layer for layer in self._layers if self._on_tvm(layer)], self._folded,
+                                             self._tir)
             return self._vm
 
     def _on_tvm(self, layer: Layer) -> bool:
         return self.plans[layer.index] is None and self.elementwise[layer.index] is None
 
     @staticmethod
-    def _compile(layers: list[Layer], folded: dict) -> relax.VirtualMachine:
+    def _compile(layers: list[Layer], folded: dict, tir: dict | None = None) -> relax.VirtualMachine:
         bb = relax.BlockBuilder()
         for layer in layers:
             params = [_tensor_var(f"x{k}", _shape(v), "float32") for k, v in enumerate(layer.inputs)]
@@ -119,7 +120,7 @@ class FloatLayers:
                 bb.emit_func_output(result)
         if not layers:
             return None
-        return relax.VirtualMachine(tvm.compile(bb.get(), target="llvm"), tvm.cpu())
+        return relax.VirtualMachine(tvm.compile(with_tir(bb.get(), tir or {}), target="llvm"), tvm.cpu())
 
     def sums(self, layer: Layer, inputs: list[np.ndarray], weight: np.ndarray) -> LayerSums | None:
         """A weighted layer's anchor (before bias and clamp) on a batch ``[N, *shape]``; None if TVM runs it."""
@@ -142,18 +143,31 @@ class FloatLayers:
 
     def run(self, layer: Layer, inputs: list[np.ndarray], weight=None, bias=None, constants=()):
         """The layer's float output (and accumulator, for a weighted layer) for one sample."""
-        args = [tvm.runtime.tensor(np.ascontiguousarray(x, dtype=np.float32)) for x in inputs]
+        args = [_host_tensor(x) for x in inputs]
         if layer.weight is not None:
-            args.append(tvm.runtime.tensor(np.ascontiguousarray(weight, dtype=np.float32)))
+            args.append(_host_tensor(weight))
             if layer.bias is not None:
-                args.append(tvm.runtime.tensor(np.ascontiguousarray(bias, dtype=np.float32).reshape(layer.bias_shape)))
-        args += [tvm.runtime.tensor(np.ascontiguousarray(c, dtype=np.float32)) for c in constants]
+                args.append(_host_tensor(np.asarray(bias, np.float32).reshape(layer.bias_shape)))
+        args += [_host_tensor(c) for c in constants]
         vm = self.vm
         with self._vm_lock:
             result = vm[f"layer_{layer.index}"](*args)
         if layer.weight is not None:
             return result[0].numpy(), result[1].numpy()
         return None, result.numpy()
+
+
+def with_tir(mod: tvm.IRModule, tir: dict) -> tvm.IRModule:
+    """``mod`` with the TIR functions its ``call_tir`` bindings call (:attr:`.calibrate.Context.tir`)."""
+    for var, func in tir.items():
+        mod[var] = func
+    return mod
+
+
+def _host_tensor(values) -> tvm.runtime.Tensor:
+    """float32 ``values`` as a TVM tensor of the same shape: a scalar constant stays 0-d (``np.ascontiguousarray``
+    would make it 1-d, which the layer's function refuses)."""
+    return tvm.runtime.tensor(np.asarray(values, np.float32, order="C"))
 
 
 _ELEMENTWISE = {"relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply}
@@ -233,7 +247,9 @@ class ReferencePass:
         return self._state.take(layer.index)
 
     def __del__(self):
-        self._state.close()
+        state = getattr(self, "_state", None)  # None: the float layers failed to compile
+        if state is not None:
+            state.close()
 
 
 class _ReferenceState:
@@ -512,6 +528,6 @@ class NpuLayer:
 
     def run(self, inputs: list[np.ndarray]) -> tuple[np.ndarray, int]:
         """The int8 output for one sample of a layer TVM builds (no NPU stream), and its overflows (none)."""
-        result = self.vm["main"](*[tvm.runtime.tensor(np.ascontiguousarray(x)) for x in inputs])
+        result = self.vm["main"](*[tvm.runtime.tensor(np.asarray(x, order="C")) for x in inputs])
         return result.numpy(), 0
 

@@ -23,7 +23,7 @@ from simulator.config import NpuConfig
 from ..errors import ModelImportError
 from .calibrate import Context, Plan
 from .config import QConfig
-from .layers import cut_layers
+from .layers import cut_layers, prepared, tir_functions
 from .qdq import emit_module
 from .report import REPORT_ATTR, QuantizationReport
 from .rewrite import TensorQ, WeightQ
@@ -83,13 +83,14 @@ def load_quantized(path: str | Path):
         model = Path(tmp) / f"float{meta['model_suffix']}"
         model.write_bytes(arrays.pop("model").tobytes())
         mod = load_model(model)
+    mod = prepared(mod)
     func = mod["main"]
     layers, folded = cut_layers(func)
     npu = NpuConfig.from_json(json.dumps(meta["npu"]))
     config = QConfig(rounding="tflite" if meta["source"] == "tflite" else "onnxruntime",
                      accumulator_bits=npu.accumulator_bits,
                      accumulator_overflow=getattr(npu, "accumulator_overflow", "wrap"))
-    ctx = Context(func, layers, folded, config, npu, meta["source"])
+    ctx = Context(func, layers, folded, config, npu, meta["source"], tir_functions(mod))
     plan = Plan(float_layers=set(meta["float_layers"]), reasons={int(k): v for k, v in meta["reasons"].items()})
     try:
         for key, (scale, zp) in meta["tensors"].items():
