@@ -84,6 +84,11 @@ def _constant_branch(g):
     return g.op("Add", [g.conv("x"), branch])
 
 
+def _relu_beside_a_branch(g):  # the convolution has two users, so its ReLU is a layer of its own
+    y = g.conv("x")
+    return g.op("Add", [g.op("Relu", [y]), g.op("Sigmoid", [y])])
+
+
 def _pad(g):
     return g.op("Pad", [g.conv("x"), g.constant(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64))])
 
@@ -96,6 +101,7 @@ GRAPHS = {  # name: (body, where each layer runs)
     "split": (_split, ["npu", "host int8", "host int8", "npu"]),
     "constant branch": (_constant_branch, ["npu", "npu"]),
     "pad (call_tir)": (_pad, ["npu", "float"]),
+    "relu beside a branch": (_relu_beside_a_branch, ["npu", "host int8", "npu", "npu"]),  # int8 clamp, exact
 }
 
 
@@ -104,8 +110,8 @@ def _samples(shape, count, seed):
     return [rng.normal(0, 1, shape).astype(np.float32) for _ in range(count)]
 
 
-def _built_equals_simulated(path, shape):
-    calibrated = calibrate(npu_backend.load_model(path), _samples(shape, 8, 0))
+def _built_equals_simulated(path, shape, config=None):
+    calibrated = calibrate(npu_backend.load_model(path), _samples(shape, 8, 0), config)
     partitioned = npu_backend.partition_for_npu(calibrated.module, calibrated.npu_config)
     vm = relax.VirtualMachine(npu_backend.codegen.build_partitioned(partitioned), tvm.cpu())
     tests = _samples(shape, 3, 1)
@@ -158,3 +164,16 @@ def test_a_symbolic_batch_is_refused_with_the_reason(tmp_path):
     path = g.save(tmp_path / "m.onnx", g.op("Relu", [g.conv("x")]))
     with pytest.raises(NpuError, match="static input shapes: input x"):
         npu_backend.quantize(npu_backend.load_model(path), np.zeros((2, 3, 8, 8), np.float32))
+
+
+@pytest.mark.parametrize("consumer", ["Add", "Concat"])
+def test_a_model_input_read_by_a_float_layer_and_a_quantized_one(consumer, tmp_path):
+    """The first convolution kept in float reads the model's input as it is, as the quantized module does; the
+    quantized layer beside it reads the input's int8 values (the simulation gave the float layer those too)."""
+    g = Graph()
+    weight = g.constant(g.rng.normal(0, 0.4, (3, 3, 3, 3)).astype(np.float32))
+    y = g.op("Conv", ["x", weight], kernel_shape=[3, 3], pads=[1, 1, 1, 1])
+    out = g.op(consumer, [y, "x"], **({"axis": 1} if consumer == "Concat" else {}))
+    path = g.save(tmp_path / "m.onnx", out)
+    calibrated = _built_equals_simulated(path, (1, 3, 8, 8), npu_backend.QConfig(skip_layers=(0,)))
+    assert [layer.placement for layer in calibrated.report.layers] == ["float", "npu"]

@@ -469,6 +469,18 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
             return dqvals[var]
         return hvals[var]
 
+    params = set(ctx.func.params)
+
+    def host_value(var) -> np.ndarray:
+        """What a layer kept in float reads, as the quantized module computes it (:func:`.qdq.emit_module`): a
+        model input or a float layer's output as it is, any other tensor dequantized from its int8 values (a
+        model input that quantized layers also read was dequantized here, while the module reads it raw)."""
+        if var in hvals:
+            return hvals[var]
+        if var in params:
+            return fvals[var]
+        return value(var)
+
     def centred(var, channels_first: bool) -> Centred:
         values = centred_vals.setdefault(var, {})
         if channels_first not in values:
@@ -494,7 +506,7 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
                            references, later, builder)
             model_value = None
         else:
-            inputs = [value(v) for v in layer.inputs]
+            inputs = [host_value(v) for v in layer.inputs]
             out = ctx.run_float(layer, inputs, weight, layer.bias, consts, totals_only=True)[1]
             hvals[layer.output] = out
             if ctx.has_q_point(layer.output, plan):

@@ -72,6 +72,8 @@ KINDS: dict[str, Kind] = {
     "relax.permute_dims": Kind("transpose", Output.INPUT, moves_int8=True),
     "relax.strided_slice": Kind("strided_slice", Output.INPUT, moves_int8=True),
     "relax.nn.pad": Kind("pad", Output.INPUT),
+    "relax.nn.relu": Kind("relu", Output.INPUT),
+    "relax.clip": Kind("clip", Output.INPUT),
 }
 HARD_SWISH = Kind("hard_swish", Output.CALIBRATED)
 HOST = Kind("host", Output.FLOAT)
