@@ -140,7 +140,9 @@ class _NhwcRewriter:
         """NHWC version of an elementwise operator, if an operand already has a twin and all operands fit."""
         out_shape = static_shape(var)
         tensors = [arg for arg in call.args if static_shape(arg) is not None and len(static_shape(arg)) == 4]
-        if out_shape is None or len(out_shape) != 4 or not any(self._has_twin(t) for t in tensors):
+        if out_shape is None or len(out_shape) != 4:
+            return None
+        if not any(self._has_twin(t) for t in tensors) and not _channel_broadcast(call, self.values):
             return None
         args = []
         for arg in call.args:
@@ -212,8 +214,32 @@ def _nhwc_axis(call) -> int | None:
     return TO_NHWC.index(int(call.attrs.axis) % 4)
 
 
-def _is_nchw_operator(value) -> bool:
-    """An operator written for NCHW data: a convolution, a pooling, or a spatial mean over axes 2 and 3."""
+def _channel_broadcast(call, values: dict) -> bool:
+    """An elementwise operator of NCHW data and a per-channel ``[1, C, 1, 1]`` operand (a squeeze-excite gate, a
+    per-channel scale): in NCHW it broadcasts over the spatial axes, which the NPU does not, in NHWC along the
+    last axis, which it does. Converted whether or not an operand is NHWC already, so that the operator is placed
+    alike in a whole model (where a convolution before it made its data NHWC) and alone (calibration builds each
+    layer as a module of its own). Only of dequantized or constant operands (``values``: each var's bound value),
+    whose NHWC views are int8 transposes or compile-time ones: never a float transpose."""
+    if not (isinstance(call, relax.Call) and isinstance(call.op, tvm.ir.Op) and call.op.name in ELEMENTWISE_OPS
+            and not is_call(call, "relax.quantize") and not is_call(call, "relax.dequantize")):
+        return False
+    shapes = [static_shape(a) for a in call.args]
+    if len(shapes) != 2 or any(s is None or len(s) != 4 for s in shapes):
+        return False
+    if not all(isinstance(a, Constant) or is_call(values.get(a), "relax.dequantize") for a in call.args):
+        return False
+    for data, gate in (shapes, shapes[::-1]):
+        if gate[0] == 1 and gate[2:] == (1, 1) and gate[1] == data[1] > 1 and data[2] * data[3] > 1:
+            return True
+    return False
+
+
+def _is_nchw_operator(value, values: dict) -> bool:
+    """An operator written for NCHW data: a convolution, a pooling, a spatial mean over axes 2 and 3, or a
+    per-channel broadcast (:func:`_channel_broadcast`; ``values``: each var's bound value)."""
+    if _channel_broadcast(value, values):
+        return True
     if is_call(value, "relax.nn.conv2d"):
         return str(value.attrs.data_layout) == "NCHW"
     if is_call(value, "relax.nn.avg_pool2d") or is_call(value, "relax.nn.max_pool2d"):
@@ -225,7 +251,8 @@ def _is_nchw_operator(value) -> bool:
 
 
 def _needs_conversion(func: relax.Function) -> bool:
-    return any(_is_nchw_operator(b.value) for block in func.body.blocks for b in block.bindings)
+    values = {b.var: b.value for block in func.body.blocks for b in block.bindings}
+    return any(_is_nchw_operator(value, values) for value in values.values())
 
 
 def convert_to_nhwc(func: relax.Function) -> relax.Function:

@@ -127,3 +127,52 @@ def test_nchw_conv_the_npu_cannot_run_stays_on_host_with_the_reason(variant, rea
     report = npu_backend.partition_report(mod)
     (conv,) = [o for o in report.ops if o.op == "relax.nn.conv2d"]
     assert conv.target == "host" and reason in conv.reason, report.format_table()
+
+
+def _broadcast_multiply(gate_shape):
+    """A lone QDQ multiply of NCHW int8 data [1, 8, 6, 6] by an int8 operand of ``gate_shape``: a squeeze-excite
+    gate as calibration builds it, a layer alone (no convolution before it to make its data NHWC)."""
+    f32 = lambda v: relax.const(np.float32(v))  # noqa: E731
+    i8 = lambda v: relax.const(np.int8(v))  # noqa: E731
+    x = relax.Var("x", relax.TensorType((1, 8, 6, 6), "int8"))
+    g = relax.Var("g", relax.TensorType(gate_shape, "int8"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            dx = bb.emit(relax.op.dequantize(x, f32(0.05), i8(-3)))
+            dg = bb.emit(relax.op.dequantize(g, f32(1 / 256), i8(-128)))
+            y = bb.emit(relax.op.multiply(dx, dg))
+            gv = bb.emit_output(relax.op.quantize(y, f32(0.04), i8(-5), out_dtype="int8"))
+        bb.emit_func_output(gv)
+    return bb.get()
+
+
+def test_a_per_channel_broadcast_is_converted_even_alone_and_runs_on_the_npu():
+    """In NCHW the gate broadcasts over the spatial axes (which the NPU does not do), in NHWC along the last axis
+    (which it does): converted alone as in a whole model, so calibration's one-layer build places it where the
+    whole model's partition does (it was on the host alone, on the NPU in the model: NPU != simulation)."""
+    main = canonicalize(_broadcast_multiply((1, 8, 1, 1)))["main"]
+    (multiply,) = _calls(main, "relax.multiply")
+    assert tuple(multiply.args[1].ty.shape.values) == (1, 1, 1, 8)
+    assert all(str(p.args[0].ty.dtype) == "int8" for p in _calls(main, "relax.permute_dims"))
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(_broadcast_multiply((1, 8, 1, 1))))
+    assert [o.target for o in report.ops if o.op == "relax.multiply"] == ["npu"]
+
+
+@pytest.mark.parametrize("gate_shape", [(1, 1, 6, 6), (1, 8, 6, 6), (1, 1, 1, 1)])
+def test_other_broadcasts_alone_stay_in_their_layout(gate_shape):
+    main = canonicalize(_broadcast_multiply(gate_shape))["main"]
+    assert not _calls(main, "relax.permute_dims")
+
+
+def test_a_per_channel_broadcast_of_float_data_is_not_transposed():
+    """Converting it would transpose floats (the rule converts only dequantized or constant operands)."""
+    x = relax.Var("x", relax.TensorType((1, 8, 6, 6), "float32"))
+    g = relax.Var("g", relax.TensorType((1, 8, 1, 1), "int8"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g]):
+        with bb.dataflow():
+            dg = bb.emit(relax.op.dequantize(g, relax.const(np.float32(1 / 256)), relax.const(np.int8(-128))))
+            gv = bb.emit_output(relax.op.multiply(x, dg))
+        bb.emit_func_output(gv)
+    assert not _calls(canonicalize(bb.get())["main"], "relax.permute_dims")

@@ -89,6 +89,12 @@ def _relu_beside_a_branch(g):  # the convolution has two users, so its ReLU is a
     return g.op("Add", [g.op("Relu", [y]), g.op("Sigmoid", [y])])
 
 
+def _squeeze_excite(g):  # a spatial mean's sigmoid gating the channels, as MobileNetV3 and EfficientNet write it
+    y = g.op("Relu", [g.conv("x")])
+    gate = g.op("Sigmoid", [g.op("ReduceMean", [y], axes=[2, 3], keepdims=1)])
+    return g.op("Mul", [y, gate])
+
+
 def _pad(g):
     return g.op("Pad", [g.conv("x"), g.constant(np.array([0, 0, 1, 1, 0, 0, 1, 1], np.int64))])
 
@@ -101,6 +107,7 @@ GRAPHS = {  # name: (body, where each layer runs)
     "split": (_split, ["npu", "host int8", "host int8", "npu"]),
     "constant branch": (_constant_branch, ["npu", "npu"]),
     "pad (call_tir)": (_pad, ["npu", "float"]),
+    "squeeze-excite": (_squeeze_excite, ["npu", "npu", "npu", "npu"]),
     "relu beside a branch": (_relu_beside_a_branch, ["npu", "host int8", "npu", "npu"]),  # int8 clamp, exact
 }
 
