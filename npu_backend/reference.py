@@ -38,7 +38,8 @@ from .errors import NpuError, NpuWarning
 from .relax_exprs import is_call
 
 SOURCE_ATTR = "npu.source"
-"""Module attribute naming the frontend a module came from (``tflite`` or ``onnx``)."""
+"""Module attribute naming the numerics a module follows (``tflite`` or ``onnx``): its loader's, or for a module
+:func:`npu_backend.quantize` made, the rounding it was calibrated with."""
 
 
 class Reference(str, Enum):
@@ -132,7 +133,9 @@ def choose_reference(mod: tvm.IRModule, requested: str = "auto") -> ReferenceCho
             raise NpuError(f"unknown reference {requested!r}; known: {known}") from None
     source = mod.attrs.get(SOURCE_ATTR) if mod.attrs is not None else None
     if source is not None and str(source) in REFERENCE_OF_SOURCE:
-        return ReferenceChoice(REFERENCE_OF_SOURCE[str(source)], f"recorded by npu_backend.load_{source}")
+        return ReferenceChoice(REFERENCE_OF_SOURCE[str(source)],
+                               f"recorded on the module ({SOURCE_ATTR}={str(source)!r}: by npu_backend.load_{source}, "
+                               "or by npu_backend.quantize for its rounding)")
     found = [(source, why) for source, test in EVIDENCE for why in (test(mod),) if why is not None]
     sources = {source for source, _ in found}
     if len(sources) == 1:

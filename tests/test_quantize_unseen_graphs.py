@@ -184,3 +184,14 @@ def test_a_model_input_read_by_a_float_layer_and_a_quantized_one(consumer, tmp_p
     path = g.save(tmp_path / "m.onnx", out)
     calibrated = _built_equals_simulated(path, (1, 3, 8, 8), npu_backend.QConfig(skip_layers=(0,)))
     assert [layer.placement for layer in calibrated.report.layers] == ["float", "npu"]
+
+
+def test_the_partition_report_says_who_recorded_a_quantized_models_numerics(tmp_path):
+    """An ONNX model quantized with TFLite's rounding follows TFLite's numerics: the report says the module
+    records them and that quantize may be who did (it had named npu_backend.load_tflite alone)."""
+    g = Graph()
+    path = g.save(tmp_path / "m.onnx", g.op("Relu", [g.conv("x")]))
+    qmod = npu_backend.quantize(npu_backend.load_model(path), _samples((1, 3, 8, 8), 4, 0))
+    report = npu_backend.partition_report(npu_backend.partition_for_npu(qmod))
+    assert report.numerics == "tflite"
+    assert "npu.source='tflite'" in report.numerics_why and "npu_backend.quantize" in report.numerics_why
