@@ -143,13 +143,32 @@ def _constant(expr, folded: dict):
     return None
 
 
+_FOLDED = {
+    "relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply, "relax.divide": np.divide,
+    "relax.maximum": np.maximum, "relax.minimum": np.minimum, "relax.sqrt": np.sqrt, "relax.negative": np.negative,
+    "relax.nn.relu": lambda a: np.maximum(a, np.zeros((), a.dtype)),
+}
+"""Elementwise operators :func:`_fold` computes on constants with numpy, one IEEE operation per element as TVM's
+(a Gemm's bias times its beta, a batch norm's ``sqrt(var + eps)``, a ReLU of a constant branch). TVM's
+``FoldConstant`` does the same by compiling each expression: 10 s on a MobileNetV2 whose importer reshapes every
+bias."""
+
+
+
 def _fold(value, folded: dict):
-    """A binding computed from constants alone (a weight's transpose or reshape, as importers write them)."""
+    """A binding computed from constants alone (a weight's transpose or reshape, as importers write them, or one
+    of :data:`_FOLDED`); None if it is not (``folded``: vars already known to be constants)."""
     if not isinstance(value, relax.Call) or not value.args:
         return None
     data = _constant(value.args[0], folded)
     if data is None:
         return None
+    elementwise = _FOLDED.get(getattr(value.op, "name", ""))
+    if elementwise is not None:
+        operands = [_constant(a, folded) for a in value.args]
+        if any(o is None for o in operands) or not isinstance(value.ty, relax.TensorType):
+            return None
+        return np.asarray(elementwise(*operands)).astype(str(value.ty.dtype))
     if is_call(value, "relax.permute_dims"):
         axes = value.attrs.axes
         return np.transpose(data, None if axes is None else [int(a) for a in axes])
@@ -330,53 +349,29 @@ def _output_axis(call) -> int:
 def prepared(mod: tvm.IRModule) -> tvm.IRModule:
     """The float model as the layer cut reads it: operators that are arithmetic at inference decomposed into it
     (an unfolded batch norm, which returns a tuple, becomes its arithmetic, the tuple's unused fields dropped) and
-    a split's parts taken as slices: neither is anything an NPU layer or the float pass could run as written.
-    Expressions of constants alone are computed by :func:`cut_layers` (:func:`_fold`)."""
+    a split's parts taken as slices: neither is anything an NPU layer or the float pass could run as written;
+    expressions of constants alone computed (:class:`_Prepared`)."""
     mod = relax.transform.DecomposeOpsForInference()(mod)
     mod["main"] = _Prepared().visit_expr(mod["main"])
     return relax.transform.DeadCodeElimination()(relax.transform.CanonicalizeBindings()(mod))
 
 
-_FOLDED = {
-    "relax.add": np.add, "relax.subtract": np.subtract, "relax.multiply": np.multiply, "relax.divide": np.divide,
-    "relax.maximum": np.maximum, "relax.minimum": np.minimum, "relax.sqrt": np.sqrt, "relax.negative": np.negative,
-    "relax.nn.relu": lambda a: np.maximum(a, np.zeros((), a.dtype)),
-}
-"""Elementwise operators computed on constants with numpy, one IEEE operation per element as TVM's (a Gemm's
-bias times its beta, a batch norm's ``sqrt(var + eps)``, a ReLU of a constant branch). TVM's ``FoldConstant``
-does the same by compiling each expression: 10 s on a MobileNetV2 whose importer reshapes every bias."""
-
-
 @relax.expr_functor.mutator
 class _Prepared(relax.PyExprMutator):
     """Each part of a ``split`` taken as the strided slice it is (a layer's output is one tensor, and the NPU
-    moves a slice's bytes; the split itself, a tuple, is then unused and dropped), and each :data:`_FOLDED`
-    operator of constants computed (then inlined where it is used: a constant operand of its layer)."""
+    moves a slice's bytes; the split itself, a tuple, is then unused and dropped), and each expression of
+    constants :func:`_fold` computes made a constant (then inlined where it is used: a constant operand of its
+    layer, as TVM's ``FoldConstant`` would leave it)."""
 
     def visit_call_(self, op: relax.Call) -> relax.Expr:
         call = super().visit_call_(op)
-        name = getattr(call.op, "name", "")
-        if not isinstance(call.ty, relax.TensorType) or call.ty.shape is None:
-            return call
-        if name in _FOLDED:
-            operands = [self._constant(arg) for arg in call.args]
-            if any(o is None for o in operands):
-                return call
-            return relax.const(np.asarray(_FOLDED[name](*operands)).astype(str(call.ty.dtype)))
-        if name in ("relax.reshape", "relax.expand_dims", "relax.squeeze", "relax.flatten", "relax.permute_dims"):
-            data = self._constant(call.args[0])  # a weight's or a bias's layout, as importers write it
-            if data is None:
-                return call
-            if name == "relax.permute_dims":
-                axes = call.attrs.axes
-                return relax.const(np.ascontiguousarray(np.transpose(data, None if axes is None else
-                                                                     [int(a) for a in axes])))
-            return relax.const(np.reshape(data, [int(d) for d in call.ty.shape.values]))
-        return call
-
-    def _constant(self, arg) -> np.ndarray | None:
-        bound = self.lookup_binding(arg) if isinstance(arg, relax.Var) else arg
-        return bound.value.numpy() if _is_tensor_constant(bound) else None
+        known = {}
+        for arg in call.args:
+            bound = self.lookup_binding(arg) if isinstance(arg, relax.Var) else None
+            if _is_tensor_constant(bound):
+                known[arg] = bound.value.numpy()
+        data = _fold(call, known)
+        return call if data is None else relax.const(np.ascontiguousarray(data))
 
     def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:
         tup = op.tuple_value

@@ -120,7 +120,7 @@ class FloatLayers:
                 bb.emit_func_output(result)
         if not layers:
             return None
-        return relax.VirtualMachine(tvm.compile(with_tir(bb.get(), tir or {}), target="llvm"), tvm.cpu())
+        return relax.VirtualMachine(tvm.compile(with_tir(bb.get(), tir), target="llvm"), tvm.cpu())
 
     def sums(self, layer: Layer, inputs: list[np.ndarray], weight: np.ndarray) -> LayerSums | None:
         """A weighted layer's anchor (before bias and clamp) on a batch ``[N, *shape]``; None if TVM runs it."""
@@ -157,7 +157,7 @@ class FloatLayers:
         return None, result.numpy()
 
 
-def with_tir(mod: tvm.IRModule, tir: dict) -> tvm.IRModule:
+def with_tir(mod: tvm.IRModule, tir: dict | None) -> tvm.IRModule:
     """``mod`` with the TIR functions its ``call_tir`` bindings call, of ``tir`` (:attr:`.calibrate.Context.tir`):
     those alone, as the model's importer may have left others (compiling MobileNetV2's unused ones took 1.5 s)."""
     if not tir:
