@@ -344,6 +344,16 @@ def _headroom(text: str) -> str | float:
         return text
 
 
+def _reference_samples(text: str) -> int | str | None:
+    """``--reference-samples``: a count, or ``all`` (None); QConfig validates the count."""
+    if text == "all":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
 def cmd_quantize(args) -> int:
     import npu_backend
     from npu_backend.quantization import QConfig, calibrate
@@ -367,6 +377,8 @@ def cmd_quantize(args) -> int:
     for option in ("percentile", "weight_rounding", "output_headroom"):
         if getattr(args, option) is not None:
             settings[option] = getattr(args, option)
+    if args.reference_samples != "default":
+        settings["reference_samples"] = args.reference_samples
     config = QConfig(**settings)
     progress = ProgressBar("calibrating", "layer")
     try:
@@ -439,8 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="keep in float the layers whose quantization costs the output more than DB dB of SQNR")
     quant.add_argument("--global-scale", type=float, help="every activation on the range [-g, g]")
     quant.add_argument("--no-float-reference", action="store_true",
-                       help="do not run the float model beside calibration: about a third less work, no bias "
-                            "correction and no SQNR in the report")
+                       help="do not run the float model beside calibration: less work, no bias correction and no "
+                            "SQNR in the report")
+    quant.add_argument("--reference-samples", type=_reference_samples, default="default", metavar="N",
+                       help="run the float model (bias correction, SQNR) on the first N calibration samples, or "
+                            "'all' (default: QConfig.reference_samples')")
     quant.add_argument("--skip", action="append", help="layer kept float (name or index; repeatable)")
     quant.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
     quant.add_argument("--json", action="store_true", help="print the report as JSON")

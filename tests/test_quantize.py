@@ -187,7 +187,7 @@ def test_an_already_quantized_model_is_refused(cnn):
     ("global_scale", 0.0), ("global_scale", math.inf), ("skip_layers", [0]), ("skip_layers", (-1,)),
     ("float_ops", ("sigmoid", 3)), ("fallback_budget_db", -1.0), ("bins", 8), ("preset", 3),
     ("symmetric_activations", "yes"), ("power_of_two", None), ("avoid_overflow", 0), ("bias_correction", 1),
-    ("float_reference", "no"),
+    ("float_reference", "no"), ("reference_samples", 0), ("reference_samples", 2.0), ("reference_samples", True),
 ])
 def test_every_invalid_config_value_names_its_field(field, value):
     with pytest.raises(NpuError, match=rf"QConfig\.{field}:"):
@@ -266,6 +266,35 @@ def test_bias_correction_takes_back_the_mean_error_of_coarse_weights():
     assert corrected.report.output_sqnr_db > plain.report.output_sqnr_db + 1.0
     shift = corrected._plan.weights[0].bias.astype(np.int64) - plain._plan.weights[0].bias
     assert np.any(shift != 0)
+
+
+def test_the_float_model_runs_on_the_leading_reference_samples():
+    """QConfig.reference_samples: the float model runs on the first k calibration samples, and what reads it (bias
+    correction, every SQNR) reads those k. With every range fixed (a global scale), calibrating 12 samples with
+    k = 5 must give the biases and SQNRs that calibrating those 5 samples alone gives, bit for bit."""
+    mod = float_cnn(seed=3)
+    fixed = QConfig(global_scale=4.0, reference_samples=5)
+    lead = calibrate(mod, CALIBRATION, fixed)
+    alone = calibrate(mod, CALIBRATION[:5], fixed.replace(reference_samples=None))
+    every = calibrate(mod, CALIBRATION, fixed.replace(reference_samples=None))
+    biased = [i for i, wq in lead._plan.weights.items() if wq.bias is not None]
+    assert len(biased) >= 2
+    for i in biased:
+        np.testing.assert_array_equal(lead._plan.weights[i].bias, alone._plan.weights[i].bias)
+    assert any(not np.array_equal(lead._plan.weights[i].bias, every._plan.weights[i].bias) for i in biased)
+    assert [layer.sqnr_db for layer in lead.report.layers] == [layer.sqnr_db for layer in alone.report.layers]
+    assert lead.report.output_sqnr_db == alone.report.output_sqnr_db != every.report.output_sqnr_db
+    assert lead.report.config["reference_samples"] == 5
+    assert (lead.report.samples, lead.report.compared_samples) == (12, 5)
+    assert "(float model on 5 of 12 samples)" in lead.report.to_table()
+    assert quantization_report(lead.module).compared_samples == 5  # through the module's JSON
+
+
+def test_the_methods_that_observe_the_float_model_run_it_on_every_sample():
+    assert QConfig().compared_samples(100) == 16 and QConfig().compared_samples(10) == 10
+    assert QConfig(reference_samples=None).compared_samples(100) == 100
+    assert QConfig(calibration="kl").compared_samples(100) == 100
+    assert QConfig(weight_rounding="least_squares").compared_samples(100) == 100
 
 
 def test_onnx_clips_of_several_shapes_are_fused_activations():

@@ -105,6 +105,7 @@ def test_cli_quantize_then_run_partition_and_compile(tmp_path, capsys):
     ("suffix", "written as a .npuq file"),
     ("headroom", "output_headroom: 3.0 is neither 'cross_validated' nor a number from 0 to 1"),
     ("plot", "--plot draws each layer's SQNR against the float model, which --no-float-reference skips"),
+    ("reference", "reference_samples: 0 is neither None nor a positive integer"),
 ])
 def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, message):
     model = DIGITS / "cnn_float.tflite"
@@ -118,10 +119,26 @@ def test_cli_quantize_bad_input_is_one_error_line(tmp_path, capsys, case, messag
             "headroom": [str(model), "--calibration", str(calib), "--output-headroom", "3", "-o",
                          str(tmp_path / "q.npuq")],
             "plot": [str(model), "--calibration", str(calib), "--no-float-reference", "--plot",
-                     str(tmp_path / "sqnr.png"), "-o", str(tmp_path / "q.npuq")]}[case]
+                     str(tmp_path / "sqnr.png"), "-o", str(tmp_path / "q.npuq")],
+            "reference": [str(model), "--calibration", str(calib), "--reference-samples", "0", "-o",
+                          str(tmp_path / "q.npuq")]}[case]
     assert npu(["quantize", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("npu: error:") and message in err[0], err
+
+
+@pytest.mark.parametrize("given, compared", [(None, 16), ("5", 5), ("all", 20)])
+def test_cli_reference_samples_say_how_many_samples_the_float_model_ran_on(tmp_path, capsys, given, compared):
+    calib = tmp_path / "calib.npz"
+    np.savez(calib, images=CALIBRATION[:20])
+    out = tmp_path / "cnn.npuq"
+    option = [] if given is None else ["--reference-samples", given]
+    assert npu(["quantize", str(DIGITS / "cnn_float.tflite"), "--calibration", str(calib), *option,
+                "-o", str(out)]) == 0
+    assert f"(float model on {compared} of 20 samples)" in capsys.readouterr().out
+    report = load_quantized(out).report
+    assert (report.samples, report.compared_samples) == (20, compared)
+    assert report.config["reference_samples"] == {None: 16, "5": 5, "all": None}[given]
 
 
 def test_cli_narrow_accumulator_model_runs_on_its_own_hardware_and_reports_overflows(tmp_path, capsys):

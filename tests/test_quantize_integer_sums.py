@@ -145,6 +145,33 @@ def test_sums_formed_without_totals_keep_their_extremes_and_outputs():
     assert full.npu_outputs(npu.mac)[0].tobytes() == lean.npu_outputs(npu.mac)[0].tobytes()
 
 
+@pytest.mark.parametrize("formed_again", [False, True])
+@pytest.mark.parametrize("name", ["pointwise NCHW", "depthwise NCHW", "dense"])
+def test_totals_of_the_leading_samples_are_those_samples_sums(name, formed_again, monkeypatch):
+    """Bias correction compares the quantized accumulators with the float model's over the samples the float model
+    ran on (QConfig.reference_samples): the totals of the first k samples are those of sums formed on them alone,
+    exactly, kept or formed again, and the observation's totals count k samples' accumulators, bias included."""
+    config = CONFIGS["tflite"]
+    layer, x, wq, npu, plan, centred = _npu_layer(name, config, TensorQ(0.08, -7))
+    if formed_again:
+        monkeypatch.setattr(integer_sums, "formed_again", lambda *args: True)
+        monkeypatch.setattr(batched_float, "CHUNK_ELEMENTS", 50)  # several chunks of the leading samples
+    lead = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest, total_samples=4)
+    alone = IntegerSums(layer, plan, centred.values[:4], wq.weight, 3, centred.largest)
+    whole = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    assert lead.kept is not formed_again and lead.total_samples == 4 and len(centred.values) == 6
+    want = alone.channel_totals()
+    assert np.array_equal(lead.channel_totals(), want)
+    assert not np.array_equal(whole.channel_totals(), want)  # the other two samples count there
+    assert lead.totalled == alone.per_channel  # every accumulator of the 4 samples, per channel
+    steps_ = (np.float32(0.05) * wq.scales).astype(np.float32)
+    (got,), (expected,) = lead.observed(wq.bias, steps_).accumulator_sums(4), \
+        alone.observed(wq.bias, steps_).accumulator_sums()
+    assert np.array_equal(got, expected)
+    with pytest.raises(ValueError, match="totalled over 4 samples"):
+        lead.observed(wq.bias, steps_).accumulator_sums(6)
+
+
 def test_the_default_stage_takes_the_sums_as_they_are(monkeypatch):
     # TFLite's rounding with 32-bit accumulators: the simulator's float64 requantizer with the bias folded in reads
     # the sums themselves (no sums + bias array, no scans); the test above holds its bytes to the stream's

@@ -193,7 +193,7 @@ def calibrate(mod: tvm.IRModule, calibration_data, config: QConfig | None = None
         if config.fallback_budget_db is not None:
             plan, output_db, stats, records = _fallback(ctx, plan, samples, float(config.fallback_budget_db),
                                                         output_db)
-    report = _report(ctx, plan, stats, records, output_db)
+    report = _report(ctx, plan, stats, records, output_db, len(samples))
     qmod = emit_module(ctx, plan).with_attr(REPORT_ATTR, report.to_json())
     return Calibrated(qmod, report, ctx, plan)
 
@@ -223,7 +223,8 @@ def quantize(mod: tvm.IRModule, calibration_data, config: QConfig | None = None,
     return calibrate(mod, calibration_data, config, progress).module
 
 
-def _report(ctx: Context, plan: Plan, stats: dict, records: list, output_db: float) -> QuantizationReport:
+def _report(ctx: Context, plan: Plan, stats: dict, records: list, output_db: float, samples: int
+            ) -> QuantizationReport:
     config = ctx.config
     tensors = tuple(TensorEntry(r.name, r.method, float(r.stats.get("min", math.nan)),
                                 float(r.stats.get("max", math.nan)), r.scale, r.zero_point, r.stats)
@@ -255,7 +256,7 @@ def _report(ctx: Context, plan: Plan, stats: dict, records: list, output_db: flo
     settings["skip_layers"] = list(settings["skip_layers"])
     settings["float_ops"] = list(settings["float_ops"])
     return QuantizationReport(settings, tensors, tuple(layers), output_db, config.accumulator_bits,
-                              config.accumulator_overflow)
+                              config.accumulator_overflow, samples, config.compared_samples(samples))
 
 
 __all__ = ["quantize", "calibrate", "Calibrated", "QConfig", "QuantizationReport", "quantization_report", "calibration_samples"]

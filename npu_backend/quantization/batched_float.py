@@ -448,10 +448,12 @@ class Observation:
         sums = self._sums.sums[part]
         return sums if self._bias is None else np.add(sums, self._bias, out=buffers.empty_like(sums))
 
-    def accumulator_sums(self) -> list[np.ndarray]:
-        """Per chunk, in order: the float64 sum of its accumulators per output channel."""
+    def accumulator_sums(self, samples: int | None = None) -> list[np.ndarray]:
+        """Per chunk of the first ``samples`` samples (None: all), in order: the float64 sum of its accumulators
+        per output channel."""
         others = self._sums.others
-        return run_all(lambda part: np.sum(self._accumulators(part), axis=others, dtype=np.float64), self._chunks)
+        parts = self._chunks if samples is None else chunks(samples, self._sums.sums[0].size)
+        return run_all(lambda part: np.sum(self._accumulators(part), axis=others, dtype=np.float64), parts)
 
     def accumulator_extremes(self) -> tuple[np.ndarray, np.ndarray]:
         """(min, max) of the accumulators per output channel, float64: the sums' extremes plus the bias."""
@@ -496,8 +498,8 @@ class HostObservation:
             self.shape, self.ndim = accumulators.shape, accumulators.ndim
             self._others = layer.batch_reduction(accumulators.ndim)
 
-    def accumulator_sums(self) -> list[np.ndarray]:
-        return [np.sum(self._acc, axis=self._others, dtype=np.float64)]
+    def accumulator_sums(self, samples: int | None = None) -> list[np.ndarray]:
+        return [np.sum(self._acc[:samples], axis=self._others, dtype=np.float64)]
 
     def accumulator_extremes(self) -> tuple[np.ndarray, np.ndarray]:
         others = self._others

@@ -435,6 +435,9 @@ def _walk_once(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool
 def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress, reference: bool,
           later: Deferred, builder: Builder | None):
     reference = reference or (calibrating and ctx.config.float_reference)
+    # the float model's samples: while calibrating, the first QConfig.reference_samples (its pass is a third of the
+    # work and most of the memory); else, asked for, all of them
+    compared = ctx.config.compared_samples(len(samples)) if calibrating else len(samples)
     fvals: dict = {}
     qvals: dict = {}
     hvals: dict = {}
@@ -491,8 +494,8 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
     summarize = functools.partial(_float_accumulators, ctx.config)
     # least-squares rounding fits to the accumulators themselves; otherwise their totals are all that is read
     run = functools.partial(ctx.run_float, totals_only=ctx.config.weight_rounding != "least_squares")
-    pending = (ReferencePass(ctx.float, ctx.layers, fvals, ctx.last_use, ctx.outputs, summarize, run)
-               if reference else None)
+    pending = (ReferencePass(ctx.float, ctx.layers, {v: x[:compared] for v, x in fvals.items()}, ctx.last_use,
+                             ctx.outputs, summarize, run) if reference else None)
     for layer in ctx.layers:
         stats = LayerStats()
         weight = layer.weight
@@ -542,7 +545,7 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
                 outs.append(dequantize_host(qvals[var][n], plan.tensors[var]))
             else:
                 outs.append(hvals[var][n])
-            if reference:
+            if reference and n < compared:
                 refs.append(fvals[var][n])
         outputs.append(outs)
         floats.append(refs)
@@ -577,11 +580,12 @@ def _float_accumulators(config: QConfig, layer: Layer, accumulators: np.ndarray 
     return FloatAccumulators(kept, totals, accumulators.size // channels)
 
 
-def _bias_shift(float_accumulators: FloatAccumulators, chunks) -> np.ndarray:
-    """Per output channel, the mean of (float model's accumulator - quantized model's) over the calibration set:
-    the systematic error of the weights' rounding and of everything upstream, which a bias can take back."""
+def _bias_shift(float_accumulators: FloatAccumulators, chunks, samples: int) -> np.ndarray:
+    """Per output channel, the mean of (float model's accumulator - quantized model's) over the first ``samples``
+    calibration samples (those the float model ran on): the systematic error of the weights' rounding and of
+    everything upstream, which a bias can take back."""
     total = float_accumulators.totals.copy()
-    for part in chunks.accumulator_sums():  # chunk by chunk, in order
+    for part in chunks.accumulator_sums(samples):  # chunk by chunk, in order
         total -= part
     return total / float_accumulators.count
 
@@ -647,9 +651,10 @@ def _run_npu_layer(ctx: Context, layer: Layer, npu: NpuLayer, inputs: list[np.nd
     return (storage.to_stored(out) if layer.output in kept else out), overflows
 
 
-def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred) -> IntegerSums | None:
-    """The layer's exact integer sums on its int8 input (:mod:`.integer_sums`); None for a layer TVM computes, or
-    one whose sums could leave float32's exact range."""
+def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred, totalled: int = 0) -> IntegerSums | None:
+    """The layer's exact integer sums on its int8 input (:mod:`.integer_sums`), with the totals per channel of its
+    first ``totalled`` samples (bias correction's; 0: none); None for a layer TVM computes, or one whose sums could
+    leave float32's exact range."""
     plan = ctx.float.plans[layer.index]
     if plan is None or wq is None:
         return None
@@ -658,7 +663,7 @@ def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred) -> In
         return None
     return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, x.largest,
                        model_layout=plan.channels_first and layer.output not in ctx.kept,
-                       totals=ctx.config.bias_correction and layer.bias is not None)
+                       totals=totalled > 0, total_samples=totalled)
 
 
 def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, centred, records: list,
@@ -685,6 +690,8 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
         wq = reconstruct.apply(problem, wq, config.weight_bits)
 
     memo: dict = {}
+    # the samples bias correction compares, those the float model ran on (QConfig.reference_samples)
+    totalled = len(references) if config.bias_correction and layer.bias is not None and references is not None else 0
 
     def observe():
         """The layer over the calibration set: its accumulators and outputs. A numpy layer's sums are computed
@@ -695,7 +702,7 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
         w, b = _dequantized(wq) if wq is not None else (None, None)
         if wq is not None and ctx.float.plans[layer.index] is not None:
             if memo.get("weight") is not wq.weight or memo.get("scales") is not wq.scales:
-                sums = _integer_sums(ctx, layer, wq, centred)
+                sums = _integer_sums(ctx, layer, wq, centred, totalled)
                 memo.update(weight=wq.weight, scales=wq.scales,
                             sums=sums if sums is not None else ctx.float.sums(layer, model_inputs(), w))
             if isinstance(memo["sums"], IntegerSums):
@@ -707,7 +714,7 @@ def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, 
     chunks = observe()
     if wq is not None:
         if config.bias_correction and layer.bias is not None:
-            shift = _bias_shift(float_accumulators, chunks)
+            shift = _bias_shift(float_accumulators, chunks, totalled)
             corrected = _int32(wq.bias + shift / np.broadcast_to(wq.bias_scales, shift.shape).astype(np.float64))
             wq = WeightQ(wq.weight, wq.scales, wq.axis, corrected, wq.bias_scales)
             chunks = observe()

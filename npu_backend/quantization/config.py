@@ -86,12 +86,22 @@ class QConfig:
         of SQNR (measured by calibrating again with it in float) stays in float on the host; costliest first,
         each kept only if it still gains more than the budget.
     float_reference : bool
-        Run the float model beside calibration, on the same samples: the report's SQNR against float (per layer
-        and at the outputs), bias correction, the ``"kl"`` method (which observes the float model), least-squares
-        weight rounding and the float fall-back all read it. ``False`` computes only the quantized model's
-        integers, about two thirds of the work (what onnxruntime's ``quantize_static`` does: ranges, no float
+        Run the float model beside calibration, on the first :attr:`reference_samples` samples: the report's SQNR
+        against float (per layer and at the outputs), bias correction, the ``"kl"`` method (which observes the
+        float model), least-squares weight rounding and the float fall-back all read it. ``False`` computes only
+        the quantized model's integers (what onnxruntime's ``quantize_static`` does: ranges, no float
         comparison); the report's SQNR columns are then empty, and the settings that need the float model must
         be off (``bias_correction=False``), or the config is refused.
+    reference_samples : int or None
+        How many calibration samples (the first ones) the float model runs on: bias correction's means, the
+        report's SQNR against float and the float fall-back's measurements are taken on them; ``None``: every
+        sample. The ranges are always observed on every sample. The float model's pass was as much work as the
+        quantized one and most of calibration's memory (MobileNetV2-224, 100 samples: 6.5 s with it on all of
+        them, 4 s on 16, 3.6 s without it). A channel's mean error over 16 samples' pixels is already precise (AIMET
+        too takes bias correction's statistics on fewer samples than its ranges): on the digits models, 16, 32,
+        50 or all 100 samples gave output SQNRs within 0.25 dB of each other and top-1 within 3 of 400 test
+        images. ``"kl"`` and least-squares rounding read the float model on every sample they observe, so they
+        run it on every sample whatever this says.
     bias_correction : bool
         Empirical bias correction: each biased layer's bias absorbs the mean difference, per output channel,
         between the float model's accumulator and the quantized model's (weight rounding and upstream error)
@@ -128,6 +138,7 @@ class QConfig:
     float_ops: tuple = ()
     fallback_budget_db: float | None = None
     float_reference: bool = True
+    reference_samples: int | None = 16
     bias_correction: bool = True
     weight_rounding: str = "nearest"
     output_headroom: str | float = CROSS_VALIDATED
@@ -163,6 +174,8 @@ class QConfig:
                                                    and math.isfinite(self.fallback_budget_db)
                                                    and self.fallback_budget_db >= 0),
                "fallback_budget_db", f"{self.fallback_budget_db!r} is not a non-negative number of dB")
+        _check(self.reference_samples is None or _is_int(self.reference_samples) and self.reference_samples >= 1,
+               "reference_samples", f"{self.reference_samples!r} is neither None nor a positive integer")
         _check(self.weight_rounding in WEIGHT_ROUNDINGS, "weight_rounding",
                f"{self.weight_rounding!r} is not one of {', '.join(WEIGHT_ROUNDINGS)}")
         _check(self.output_headroom == CROSS_VALIDATED if isinstance(self.output_headroom, str) else
@@ -180,6 +193,14 @@ class QConfig:
 
     def replace(self, **changes) -> QConfig:
         return dataclasses.replace(self, **changes)
+
+    def compared_samples(self, samples: int) -> int:
+        """How many of ``samples`` calibration samples (the first) the float model runs on
+        (:attr:`reference_samples`; all of them for the settings that read it on every observed sample)."""
+        if (self.reference_samples is None or self.calibration in FLOAT_MODEL_METHODS
+                or self.weight_rounding == "least_squares"):
+            return samples
+        return min(samples, self.reference_samples)
 
 
 def _is_int(value) -> bool:

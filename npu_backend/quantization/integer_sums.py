@@ -85,14 +85,19 @@ class IntegerSums:
     ``input_zero_point`` as it is summed."""
 
     def __init__(self, layer: Layer, plan: WeightedPlan, centred: np.ndarray, weight: np.ndarray,
-                 input_zero_point: int, largest_input: int, model_layout: bool | None = None, totals: bool = True):
+                 input_zero_point: int, largest_input: int, model_layout: bool | None = None, totals: bool = True,
+                 total_samples: int | None = None):
         self.layer, self.plan, self.weight = layer, plan, weight
         self.input_zero_point, self.largest_input = input_zero_point, largest_input
         self.model_layout = plan.channels_first if model_layout is None else model_layout
         """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
         channels last, :mod:`.storage`)."""
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
-        statistics = _channel_statistics if totals else _channel_extremes  # totals: for bias correction alone
+        self.total_samples = len(centred) if total_samples is None else total_samples
+        """The leading samples whose totals :meth:`channel_totals` gives (bias correction compares them with the
+        float model's, which may run on fewer samples than calibration: ``QConfig.reference_samples``)."""
+        whole = totals and self.total_samples >= len(centred)  # taken as the sums form; else read again, in part
+        statistics = _channel_statistics if whole else _channel_extremes  # totals: for bias correction alone
         self._plan, self._weight32, self._centred = (dataclasses.replace(plan, channels_first=False),
                                                      weight.astype(np.float32), centred)
         self.shape = self._plan.output_shape(centred, self._weight32)
@@ -104,7 +109,8 @@ class IntegerSums:
         self._chunks = chunks(self.shape[0], math.prod(self.shape[1:]))
         self._extremes = (np.minimum.reduce([p[0] for p in parts]).astype(np.float64),
                           np.maximum.reduce([p[1] for p in parts]).astype(np.float64))
-        self._totals = np.sum([p[2] for p in parts], axis=0) if totals else None
+        self._totals = np.sum([p[2] for p in parts], axis=0) if whole else None
+        self._totalled = totals
 
     @property
     def sums(self) -> np.ndarray:
@@ -136,10 +142,21 @@ class IntegerSums:
         return self._extremes
 
     def channel_totals(self) -> np.ndarray:
-        """The sums' total per output channel, float64 (exact: integers below 2**53, in any order)."""
-        if self._totals is None:
+        """The total per output channel of the sums of the first :attr:`total_samples` samples, float64 (exact:
+        integers below 2**53, in any order). Of fewer samples than the batch, they are read once more (kept) or
+        formed again, those samples alone, on the workers."""
+        if not self._totalled:
             raise ValueError("these integer sums were formed without their totals (totals=False)")
+        if self._totals is None:
+            parts = chunks(self.total_samples, math.prod(self.shape[1:]))
+            self._totals = np.sum(run_all(lambda part: np.sum([channel_totals(block) for block, _ in
+                                                               self.blocks(part)], axis=0), parts), axis=0)
         return self._totals
+
+    @property
+    def totalled(self) -> int:
+        """Accumulators per output channel in :meth:`channel_totals`."""
+        return self.total_samples * (self.per_channel // self.shape[0])
 
     def observed(self, bias: np.ndarray | None, steps: np.ndarray) -> IntegerObservation:
         """The layer observed with an int32 ``bias`` and per-channel float32 ``steps`` (``s_in * s_w``, the
@@ -239,10 +256,13 @@ class IntegerObservation:
     def _bias_or_zero(self) -> np.ndarray:
         return np.zeros(self._sums.channels) if self._bias is None else self._bias.astype(np.float64)
 
-    def accumulator_sums(self) -> list[np.ndarray]:
-        """The accumulators' float64 total per output channel, in real units (one part: the sums' totals are
-        exact, the bias adds ``count * bias``)."""
-        totals = self._sums.channel_totals() + self._sums.per_channel * self._bias_or_zero()
+    def accumulator_sums(self, samples: int | None = None) -> list[np.ndarray]:
+        """The accumulators' float64 total per output channel, in real units, over the first ``samples`` samples
+        (the sums' :attr:`IntegerSums.total_samples`; None: those): one part, the sums' totals are exact, the bias
+        adds ``count * bias``."""
+        if samples is not None and samples != self._sums.total_samples:
+            raise ValueError(f"these sums are totalled over {self._sums.total_samples} samples, not {samples}")
+        totals = self._sums.channel_totals() + self._sums.totalled * self._bias_or_zero()
         return [totals * self._steps.astype(np.float64)]
 
     def accumulator_extremes(self) -> tuple[np.ndarray, np.ndarray]:

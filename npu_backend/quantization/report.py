@@ -38,8 +38,8 @@ class LayerEntry:
     output_scale: float
     output_zero_point: int
     sqnr_db: float
-    """SQNR of the layer's output in the quantized model against the float model, over the calibration set (NaN:
-    not measured, ``QConfig.float_reference`` off)."""
+    """SQNR of the layer's output in the quantized model against the float model, over the samples the float model
+    ran on (:attr:`QuantizationReport.compared_samples`; NaN: not measured, ``QConfig.float_reference`` off)."""
     accumulator_peak: int
     overflows: int
     widened_channels: int
@@ -52,9 +52,14 @@ class QuantizationReport:
     tensors: tuple[TensorEntry, ...]
     layers: tuple[LayerEntry, ...]
     output_sqnr_db: float
-    """SQNR of the model's outputs against the float model's, over the calibration set (NaN: not measured)."""
+    """SQNR of the model's outputs against the float model's, over the samples it ran on (NaN: not measured)."""
     accumulator_bits: int
     overflow_mode: str
+    samples: int = 0
+    """Calibration samples (every range is observed on all of them; 0: a report that did not say)."""
+    compared_samples: int = 0
+    """Of those, the first ones the float model ran on (``QConfig.reference_samples``): every SQNR and bias
+    correction's means are taken on them."""
 
     @property
     def total_overflows(self) -> int:
@@ -72,7 +77,8 @@ class QuantizationReport:
 
         return json.dumps(clean({
             "config": self.config, "output_sqnr_db": self.output_sqnr_db, "accumulator_bits": self.accumulator_bits,
-            "overflow_mode": self.overflow_mode, "tensors": [asdict(t) for t in self.tensors],
+            "overflow_mode": self.overflow_mode, "samples": self.samples,
+            "compared_samples": self.compared_samples, "tensors": [asdict(t) for t in self.tensors],
             "layers": [asdict(layer) for layer in self.layers]}))
 
     @staticmethod
@@ -84,7 +90,7 @@ class QuantizationReport:
         tensors = tuple(TensorEntry(**t) for t in raw["tensors"])
         layers = tuple(LayerEntry(**{**layer, "sqnr_db": num(layer["sqnr_db"])}) for layer in raw["layers"])
         return QuantizationReport(raw["config"], tensors, layers, num(raw["output_sqnr_db"]), raw["accumulator_bits"],
-                                  raw["overflow_mode"])
+                                  raw["overflow_mode"], raw.get("samples", 0), raw.get("compared_samples", 0))
 
     def to_table(self) -> str:
         lines = [f"{'layer':<18} {'kind':<14} {'placement':<9} {'scale':>10} {'zp':>5} {'SQNR dB':>8} "
@@ -98,6 +104,8 @@ class QuantizationReport:
                          f"{layer.overflows:>9}  {layer.note}")
         output = ("output SQNR not measured (float_reference off)" if math.isnan(self.output_sqnr_db) else
                   f"output SQNR {self.output_sqnr_db:.2f} dB")
+        if self.samples and not math.isnan(self.output_sqnr_db):
+            output += f" (float model on {self.compared_samples} of {self.samples} samples)"
         lines.append(f"{output}; accumulators {self.accumulator_bits} bits "
                      f"({self.overflow_mode}), {self.total_overflows} overflow(s) on the calibration set")
         return "\n".join(lines)
