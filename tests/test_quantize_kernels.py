@@ -253,6 +253,7 @@ def test_depthwise_sums_of_integers_are_exact():
     w = rng.integers(-127, 128, (32, 3, 3)).astype(np.int8)
     out = np.empty((3, conv.ofm.height, conv.ofm.width, 32), np.float32)
     kernels.depthwise(x, w.astype(np.float32), conv, out, zero_point=-7)
+    assert "depthwise_3x3_integers_16" in kernels._compiled  # exact in any order: compiled with FMA, 16 lanes
     wide = centred_input(x, -7, conv.padding, np.int64)
     with pytest.raises(ValueError, match="int8 inputs only"):
         kernels.depthwise(x.astype(np.float32), w.astype(np.float32), conv, out, zero_point=-7)

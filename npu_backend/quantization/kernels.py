@@ -33,9 +33,16 @@ float32 copy the einsum needs is never made (that copy had cost as much as the l
 the taps in the ``einsum``'s order (``(ky, kx)`` row-major from ``+0.0``, ``out + w * x`` with two roundings), so
 its float32 sums equal the ``einsum``'s bit for bit (the float model's pass is the same whichever path computes a
 layer; the integer sums are exact either way). That needs a product rounded before its addition, which LLVM's
-fused multiply-add contraction would break: the kernels are compiled without FMA instructions (but for
-:data:`EXACT_ANY_ORDER`), which only x86's ``-fma`` attribute guarantees, so :func:`depthwise` is used on x86-64
-alone (:func:`depthwise_applies`).
+fused multiply-add contraction would break: the kernels are compiled without FMA instructions (but for those
+whose operations are all exact, below), which only x86's ``-fma`` attribute guarantees, so :func:`depthwise` is used
+on x86-64 alone (:func:`depthwise_applies`).
+
+A kernel whose every float operation is exact (the requantizer within its ``limits``; the depthwise sums of int8
+inputs and integer weights below 2**24) gives the same values with fused multiply-adds, so it is compiled
+``any_order``, with every feature of the machine: on x86 LLVM's AVX-512 implies FMA, so ``-fma`` turns AVX-512 off
+too. The requantizer ran at 0.63 ns a value on 256-bit vectors, 0.375 on 512-bit ones; the integer depthwise sums
+at 12-14 GMAC/s against 15-17 (Xeon, one thread, in cache). The others gained nothing measurable (the byte count is
+scalar; the totals and the bias add are memory-bound) or need their products rounded before their additions.
 
 Otherwise a kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so
 an FMA or any order gives the same values), so it is the same whatever the compiler does with the loop. Each is
@@ -58,6 +65,9 @@ from . import kernel_cache
 LANES = 8
 """Channels :func:`requantize`, :func:`finish_rows` and :func:`channel_totals` take a vector at a time (and the
 lanes :func:`energies` sums in)."""
+DEPTHWISE_LANES = 16
+"""Channels :func:`depthwise` takes a vector at a time where they are whole vectors of it (else :data:`LANES`): 12-14
+GMAC/s against 10.6-11.6 for 8 on MobileNetV2's shapes (any type, one thread)."""
 WAYS = 4
 """Interleaved histograms the count keeps (byte ``i`` counts in histogram ``i % WAYS``), summed at the end."""
 
@@ -89,7 +99,7 @@ def requantize(sums: np.ndarray, requantizer, out: np.ndarray) -> None:
     bounds = np.array([requantizer.low, requantizer.high], np.float64)
     shape = (channels // LANES, LANES)
     arrays = (sums.reshape(-1, *shape), *(a.reshape(shape) for a in per_channel), bounds, out.reshape(-1, *shape))
-    _run("requantize", _requantize_func, arrays, int(requantizer.zero_point))
+    _run("requantize", _requantize_func, arrays, int(requantizer.zero_point), any_order=True)
 
 
 def energies(reference: np.ndarray, values: np.ndarray, scale: float, zero_point: int) -> tuple[float, float]:
@@ -177,8 +187,13 @@ def depthwise(x: np.ndarray, weights: np.ndarray, conv, out: np.ndarray, zero_po
     top, left = conv.padding[:2]
     rows = _inner(x.shape[1], out.shape[-3], kh, conv.stride[0], conv.dilation[0], top)
     columns = _inner(x.shape[2], out.shape[-2], kw, conv.stride[1], conv.dilation[1], left)
-    _run(f"depthwise_{kh}x{kw}_{x.dtype}", lambda: _depthwise_func(kh, kw, str(x.dtype)), arrays, *conv.stride,
-         *conv.dilation, top, left, *rows, *columns, float(zero_point), 0.0)
+    lanes = DEPTHWISE_LANES if channels % DEPTHWISE_LANES == 0 else LANES
+    # int8 inputs by integer weights: every partial sum an integer below 2**24, exact in any order
+    integers = (x.dtype == np.int8 and np.array_equal(taps, np.rint(taps))
+                and kh * kw * (128 + abs(zero_point)) * float(np.abs(taps).max(initial=0)) < 2 ** 24)
+    name = f"depthwise_{kh}x{kw}_{'integers' if integers else x.dtype}_{lanes}"
+    _run(name, lambda: _depthwise_func(kh, kw, str(x.dtype), lanes), arrays, *conv.stride, *conv.dilation, top, left,
+         *rows, *columns, float(zero_point), 0.0, any_order=integers)
 
 
 def _inner(size: int, outputs: int, kernel: int, stride: int, dilation: int, before: int) -> tuple[int, int]:
@@ -193,24 +208,18 @@ def _inner(size: int, outputs: int, kernel: int, stride: int, dilation: int, bef
 _NO_FMA = ["-fma", "-fma4"] if platform.machine().lower() in ("x86_64", "amd64") else None
 """The target attributes that keep LLVM from fusing a multiply and an add (x86's FMA3 and AMD's FMA4; None where
 none is known)."""
-EXACT_ANY_ORDER = frozenset({"requantize"})
-"""Kernels compiled with every feature of the machine, FMA included: each of their float operations is exact (the
-requantizer's ``limits``), so a fused multiply-add gives the same values. On x86 LLVM's AVX-512 implies FMA, so
-:data:`_NO_FMA` turns AVX-512 off too: the requantizer ran at 0.63 ns a value on 256-bit vectors, 0.375 on 512-bit
-ones (Xeon, one thread, a block in cache). The others gained nothing measurable (the byte count is scalar; the
-totals and the bias add are memory-bound) or need products rounded before their additions."""
 
 
-def _run(name: str, make, arrays, *scalars) -> None:
-    """Call the kernel ``name`` (compiled from ``make()`` at first use) on numpy ``arrays``, then ``scalars``.
-    The arrays are passed without their alignment checked: the kernels declare element alignment only, and
-    numpy's views are not 64-byte aligned."""
+def _run(name: str, make, arrays, *scalars, any_order: bool = False) -> None:
+    """Call the kernel ``name`` (compiled from ``make()`` at first use; ``any_order``: see the module docstring)
+    on numpy ``arrays``, then ``scalars``. The arrays are passed without their alignment checked: the kernels
+    declare element alignment only, and numpy's views are not 64-byte aligned."""
     import tvm_ffi
 
-    _kernel(name, make)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays), *scalars)
+    _kernel(name, make, any_order)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays), *scalars)
 
 
-def _kernel(name: str, make):
+def _kernel(name: str, make, any_order: bool = False):
     with _lock:  # one compilation per kernel, whichever thread asks first
         if name not in _compiled:
             # On a thread of its own: TVMScript's parser keeps inspect.stack() of the code that defines a function
@@ -218,16 +227,16 @@ def _kernel(name: str, make):
             # (a layer's batch-sized arrays among their locals) until the cyclic collector ran. An error is
             # raised here, on the caller's thread.
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-kernel-build") as builder:
-                _compiled[name] = builder.submit(_compile, name, make).result()
+                _compiled[name] = builder.submit(_compile, name, make, any_order).result()
         return _compiled[name]
 
 
-def _compile(name: str, make):
+def _compile(name: str, make, any_order: bool = False):
     import tvm
     from tvm.target import codegen
 
     target = {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu()}
-    if _NO_FMA is not None and name not in EXACT_ANY_ORDER:
+    if _NO_FMA is not None and not any_order:
         target["mattr"] = _NO_FMA
     module = tvm.IRModule({name: make().with_attr("global_symbol", name)})
     return kernel_cache.compiled(name, module, tvm.target.Target(target))
@@ -369,10 +378,9 @@ def _channel_totals_func():
     return channel_totals
 
 
-def _depthwise_func(kh: int, kw: int, dtype: str):
+def _depthwise_func(kh: int, kw: int, dtype: str, lanes: int = LANES):
     from tvm.script import tirx as T
 
-    lanes = LANES
     taps = [(ky, kx) for ky in range(kh) for kx in range(kw)]
 
     def tap(X, s, y, x, c, h, w, zero_point, checked):
