@@ -288,6 +288,8 @@ def test_the_float_model_runs_on_the_leading_reference_samples():
     assert (lead.report.samples, lead.report.compared_samples) == (12, 5)
     assert "(float model on 5 of 12 samples)" in lead.report.to_table()
     assert quantization_report(lead.module).compared_samples == 5  # through the module's JSON
+    # ranges from extremes (a global scale): their int8 summaries are descriptive, taken on those 5 samples too
+    assert lead.report.tensors[0].histogram["count"] == 5 * 8 * 8 and lead.report.tensors[0].name == "x"
 
 
 def test_the_methods_that_observe_the_float_model_run_it_on_every_sample():

@@ -458,7 +458,8 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
             q = plan.tensors[param]
             qvals[param] = quantize_host(fvals[param], q)
             if extremes is not None:
-                records[-1].stats = later.submit(int8_summary, qvals[param], q.scale, q.zero_point, *extremes)
+                records[-1].stats = later.submit(int8_summary, qvals[param][:compared], q.scale, q.zero_point,
+                                                 *extremes)
         else:
             hvals[param] = fvals[param]
 
@@ -506,7 +507,7 @@ def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, pro
         fvals[layer.output] = references
         if ctx.quantized(layer, plan):
             _run_quantized(ctx, layer, plan, stats, qvals, value, centred, calibrating, records, float_accumulators,
-                           references, later, builder)
+                           references, later, builder, compared)
             model_value = None
         else:
             inputs = [host_value(v) for v in layer.inputs]
@@ -592,7 +593,7 @@ def _bias_shift(float_accumulators: FloatAccumulators, chunks, samples: int) -> 
 
 def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qvals: dict, value, centred,
                    calibrating: bool, records: list, float_accumulators: FloatAccumulators | None,
-                   references: np.ndarray | None, later: Deferred, builder: Builder | None) -> None:
+                   references: np.ndarray | None, later: Deferred, builder: Builder | None, summarized: int) -> None:
     sums = summarize = None
     if builder is not None and ctx.float.plans[layer.index] is not None:
         builder.flush(least=Builder.BATCH // 2)  # built while the walk's GEMMs run, without the GIL
@@ -632,7 +633,8 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
     out, overflows = result
     if summarize is not None:
         q = plan.tensors[layer.output]
-        summarize.stats = later.submit(int8_summary, out, q.scale, q.zero_point, summarize.stats["min"],
+        # descriptive only (the range came from every sample's extremes): on the first samples, as the SQNRs are
+        summarize.stats = later.submit(int8_summary, out[:summarized], q.scale, q.zero_point, summarize.stats["min"],
                                        summarize.stats["max"])
     stats.overflows += overflows
     qvals[layer.output] = out

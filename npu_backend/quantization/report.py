@@ -26,7 +26,10 @@ class TensorEntry:
     scale: float
     zero_point: int
     histogram: dict
-    """Histogram summary of the observed values: count, mean, std and percentiles."""
+    """Histogram summary of the observed values: count, mean, std and percentiles. For a range read from the
+    extremes alone (minmax, a global scale), of the tensor's int8 values on the first
+    :attr:`QuantizationReport.compared_samples` samples (the range itself is every sample's): counting every
+    byte of every tensor had been a tenth of calibration's CPU time."""
 
 
 @dataclass(frozen=True)
