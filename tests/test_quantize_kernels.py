@@ -330,3 +330,21 @@ def test_compiling_a_kernel_keeps_no_frame_of_its_caller():
     with pytest.raises(ValueError, match="no such kernel"):
         kernels._kernel("test_broken", broken)
     assert "test_broken" not in kernels._compiled
+
+
+@pytest.mark.skipif(not kernels.integer_statistics_applies(np.zeros((1, 8), np.float32)),
+                    reason="the compiled statistics need AVX-512")
+@pytest.mark.parametrize("rows, channels", [(1, 8), (3, 16), (4, 24), (7, 96), (1001, 16), (64, 960)])
+def test_integer_statistics_are_numpys_min_max_and_totals(rows, channels):
+    """The integer sums' per-channel extremes and float64 totals in one compiled pass: every row counted, whatever
+    the rows left over by the interleaved accumulators, bit for bit."""
+    values = np.random.default_rng(rows).integers(-2 ** 23, 2 ** 23, (rows, channels)).astype(np.float32)
+    low, high, totals = kernels.integer_statistics(values, totals=True)
+    np.testing.assert_array_equal(low, values.min(axis=0))
+    np.testing.assert_array_equal(high, values.max(axis=0))
+    np.testing.assert_array_equal(totals, values.astype(np.float64).sum(axis=0))
+    assert low.dtype == high.dtype == np.float32 and totals.dtype == np.float64
+    alone = kernels.integer_statistics(values, totals=False)
+    assert len(alone) == 2 and np.array_equal(alone[0], low) and np.array_equal(alone[1], high)
+    assert not kernels.integer_statistics_applies(np.ascontiguousarray(values[:, :channels - 1]))  # not whole vectors
+    assert not kernels.integer_statistics_applies(values[:0])

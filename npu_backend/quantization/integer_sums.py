@@ -227,13 +227,17 @@ class IntegerSums:
 
 def _channel_statistics(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per channel (the last axis): min, max and float64 total of a chunk of sums (a row-wise layer's: a block of
-    rows), read while it is in cache. The totals are exact (integers below 2**53), so the order
-    :func:`.batched_float.channel_totals` takes changes nothing."""
+    rows), read while it is in cache: in one compiled pass (:func:`.kernels.integer_statistics`) where it applies.
+    The totals are exact (integers below 2**53), so the order either takes changes nothing."""
+    if kernels.integer_statistics_applies(sums):
+        return kernels.integer_statistics(sums, totals=True)
     return *_channel_extremes(sums), channel_totals(sums)
 
 
 def _channel_extremes(sums: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per channel (the last axis): min and max of a chunk of sums (a row-wise layer's: a block of rows)."""
+    if kernels.integer_statistics_applies(sums):
+        return kernels.integer_statistics(sums, totals=False)
     rows, copies = folded(sums)
     channels = sums.shape[-1]
     return (np.min(rows, axis=0).reshape(copies, channels).min(axis=0),
