@@ -100,9 +100,9 @@ class QConfig:
         them, 4 s on 16, 3.6 s without it). A channel's mean error over 16 samples' pixels is already precise (AIMET
         too takes bias correction's statistics on fewer samples than its ranges): on the digits models, 16, 32,
         50 or all 100 samples gave output SQNRs within a third of a dB of each other and top-1 within 5 of 400
-        test images, as noisy as that; with 8 or 12 the MobileNet-like net fell to 94.5-94.75% (the anchors: 95%). ``"kl"`` and
-        least-squares rounding read the float model on every sample they observe, so they run it on every
-        sample whatever this says.
+        test images, as noisy as that; with 8 or 12 the MobileNet-like net fell to 94.5-94.75% (the anchors:
+        95%). ``"kl"`` and least-squares rounding read the float model on every sample they observe, so they run
+        it on every sample whatever this says.
     bias_correction : bool
         Empirical bias correction: each biased layer's bias absorbs the mean difference, per output channel,
         between the float model's accumulator and the quantized model's (weight rounding and upstream error)
