@@ -377,7 +377,7 @@ def cmd_quantize(args) -> int:
     for option in ("percentile", "weight_rounding", "output_headroom"):
         if getattr(args, option) is not None:
             settings[option] = getattr(args, option)
-    if args.reference_samples != "default":
+    if hasattr(args, "reference_samples"):
         settings["reference_samples"] = args.reference_samples
     config = QConfig(**settings)
     progress = ProgressBar("calibrating", "layer")
@@ -453,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     quant.add_argument("--no-float-reference", action="store_true",
                        help="do not run the float model beside calibration: less work, no bias correction and no "
                             "SQNR in the report")
-    quant.add_argument("--reference-samples", type=_reference_samples, default="default", metavar="N",
+    quant.add_argument("--reference-samples", type=_reference_samples, default=argparse.SUPPRESS, metavar="N",
                        help="run the float model (bias correction, SQNR) on the first N calibration samples, or "
                             "'all' (default: QConfig.reference_samples')")
     quant.add_argument("--skip", action="append", help="layer kept float (name or index; repeatable)")

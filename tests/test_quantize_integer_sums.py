@@ -170,6 +170,9 @@ def test_totals_of_the_leading_samples_are_those_samples_sums(name, formed_again
     assert np.array_equal(got, expected)
     with pytest.raises(ValueError, match="totalled over 4 samples"):
         lead.observed(wq.bias, steps_).accumulator_sums(6)
+    for count in (0, 7):  # of none, or of more samples than the sums hold: refused, not a wrong count
+        with pytest.raises(ValueError, match=f"totals of {count} samples asked of sums of 6"):
+            IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest, total_samples=count)
 
 
 def test_the_default_stage_takes_the_sums_as_they_are(monkeypatch):

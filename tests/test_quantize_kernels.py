@@ -348,3 +348,19 @@ def test_integer_statistics_are_numpys_min_max_and_totals(rows, channels):
     assert len(alone) == 2 and np.array_equal(alone[0], low) and np.array_equal(alone[1], high)
     assert not kernels.integer_statistics_applies(np.ascontiguousarray(values[:, :channels - 1]))  # not whole vectors
     assert not kernels.integer_statistics_applies(values[:0])
+
+
+@pytest.mark.parametrize("avx512", [True, False])
+def test_exact_kernels_use_avx512_only_where_the_cpu_has_it(monkeypatch, avx512):
+    """The kernels exact in any order are compiled with every feature of the CPU, but AVX-512 only where the
+    running CPU has it (its flags, not its model's name: a virtual machine may hide it); the others never use FMA."""
+    targets = {}
+    monkeypatch.setattr(kernels, "_avx512", lambda: avx512)
+    monkeypatch.setattr(kernels.kernel_cache, "compiled", lambda name, module, target: targets.setdefault(name, target))
+    kernels._compile("exact", kernels._requantize_func, any_order=True)
+    kernels._compile("rounded", kernels._energies_func)
+    exact, rounded = (list(targets[n].attrs.get("mattr", [])) for n in ("exact", "rounded"))
+    if kernels._NO_FMA is None:
+        assert exact == rounded == []
+    else:
+        assert exact == ([] if avx512 else ["-avx512f"]) and rounded == kernels._NO_FMA

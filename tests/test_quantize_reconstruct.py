@@ -110,7 +110,7 @@ def test_gptq_round_then_polish_reach_the_integer_optimum_of_a_small_quadratic()
 
 
 def test_least_squares_at_4_bits_keeps_the_canonical_form_and_the_npu_bit_exact():
-    nearest = calibrate(float_cnn(), CALIBRATION, QConfig(weight_bits=4, reference_samples=None))
+    nearest = calibrate(float_cnn(), CALIBRATION, QConfig(weight_bits=4))
     fitted = calibrate(float_cnn(), CALIBRATION, QConfig(weight_bits=4, weight_rounding="least_squares"))
     weights = _weights(fitted.module)
     assert len(weights) == 3  # conv, depthwise, dense

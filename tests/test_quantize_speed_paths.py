@@ -301,8 +301,9 @@ def test_reference_pass_gives_each_layer_in_order_and_hands_over_errors():
 # --- the whole calibration ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("config", [QConfig(), QConfig(calibration="kl", rounding="onnxruntime"),
-                                    QConfig(accumulator_bits=16, avoid_overflow=True, calibration="mse")],
-                         ids=["default", "kl", "acc16-mse"])
+                                    QConfig(accumulator_bits=16, avoid_overflow=True, calibration="mse"),
+                                    QConfig(reference_samples=3)],
+                         ids=["default", "kl", "acc16-mse", "reference-3"])
 def test_calibration_is_the_same_on_one_thread_and_many(config, monkeypatch):
     calibration = RNG.random((10, 8, 8, 1)).astype(np.float32)
     # Small chunks, so that every batch is cut into several (a chunk's rows decide how BLAS sums, so both runs

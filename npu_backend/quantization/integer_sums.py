@@ -94,6 +94,8 @@ class IntegerSums:
         channels last, :mod:`.storage`)."""
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
         self.total_samples = len(centred) if total_samples is None else total_samples
+        if totals and not 0 < self.total_samples <= len(centred):
+            raise ValueError(f"totals of {self.total_samples} samples asked of sums of {len(centred)}")
         """The leading samples whose totals :meth:`channel_totals` gives (bias correction compares them with the
         float model's, which may run on fewer samples than calibration: ``QConfig.reference_samples``)."""
         whole = totals and self.total_samples >= len(centred)  # taken as the sums form; else read again, in part

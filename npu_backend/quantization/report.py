@@ -61,8 +61,9 @@ class QuantizationReport:
     samples: int = 0
     """Calibration samples (every range is observed on all of them; 0: a report that did not say)."""
     compared_samples: int = 0
-    """Of those, the first ones the float model ran on (``QConfig.reference_samples``): every SQNR and bias
-    correction's means are taken on them."""
+    """Of those, the first ones the report's measurements were taken on (``QConfig.reference_samples``): the float
+    model's pass, when it ran (every SQNR, bias correction's means), and the int8 summaries of ranges read from
+    extremes."""
 
     @property
     def total_overflows(self) -> int:
