@@ -423,6 +423,10 @@ def canonicalize(mod: tvm.IRModule) -> tvm.IRModule:
             changed = []
 
             def tracked(expr, matches, rewriter=rewriter, changed=changed):
+                if isinstance(expr, relax.Var):
+                    # ``y = x`` (the layout conversion writes such aliases): the matcher follows ``x`` to the call it
+                    # is bound to and hands the rewrite the var; that call's own binding is rewritten, the alias kept
+                    return expr
                 result = rewriter(expr, matches)
                 if not result.same_as(expr):
                     changed.append(expr)

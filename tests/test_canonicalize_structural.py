@@ -112,6 +112,33 @@ def test_float_activation_before_quantize_becomes_int8_clamp(activation, clamp):
     assert_canonical(module(params, before), module(params, expected))
 
 
+def _aliased_output(activation, scale: float, zero_point: int) -> tvm.IRModule:
+    """``gv = quantize(activation(y)); gv1 = gv``, ``gv1`` the block's output, as the NHWC conversion writes it."""
+    y = relax.Var("y", t((1, 8), "float32"))
+    act, quantized = relax.DataflowVar("lv", t((1, 8), "float32")), relax.DataflowVar("gv", t((1, 8), "int8"))
+    alias = relax.Var("gv1", t((1, 8), "int8"))
+    block = relax.DataflowBlock([relax.VarBinding(act, activation(y)),
+                                 relax.VarBinding(quantized, q(act, scale, zero_point)),
+                                 relax.VarBinding(alias, quantized)])
+    return tvm.IRModule({"main": relax.Function([y], relax.SeqExpr([block], alias), t((1, 8), "int8"))})
+
+
+def test_a_rewrite_matched_through_an_alias_leaves_the_alias_to_its_call():
+    """The matcher follows an alias (``gv1 = gv``) to the quantize it names and hands the rewrite the var, which is
+    no call: when the quantize's own binding was left alone (a tie bound), that was an ``AttributeError``
+    (calibrating a grouped NCHW convolution with a ReLU6 on a global scale). The alias is left to its call, which
+    is rewritten, or not, on its own binding."""
+    def calls(mod):
+        return [b.value for block in mod["main"].body.blocks for b in block.bindings if isinstance(b.value, relax.Call)]
+
+    tie = calls(canonicalize(_aliased_output(lambda y: relax.op.clip(y, 0.0, 6.25), 0.5, 0)))  # 12.5: left alone
+    assert [c.op.name for c in tie] == ["relax.clip", "relax.quantize"]
+    assert [float(a.value) for a in tie[0].args[1:]] == [0.0, 6.25]
+    relu = calls(canonicalize(_aliased_output(relax.op.nn.relu, 0.05, 1)))
+    assert [c.op.name for c in relu] == ["relax.quantize", "relax.clip"]
+    assert [float(a.value) for a in relu[1].args[1:]] == [1.0, 127.0]
+
+
 @pytest.mark.parametrize("low, high", [(0.0, 6.25), (-1.0, 6.0)])
 def test_float_clip_with_tie_bound_or_nonzero_low_is_left_alone(low, high):
     """Float activation, negative: 6.25 / 0.5 = 12.5 is a rounding tie; a low bound of -1 is no ReLU."""

@@ -11,7 +11,7 @@ import tvm
 from tvm import relax
 
 import npu_backend
-from float_models import float_cnn, float_dense_chain
+from float_models import float_cnn, float_conv_block, float_dense_chain
 from npu_backend import NpuError, QConfig
 from npu_backend.quantization import calibrate, calibration_samples, quantization_report
 
@@ -290,6 +290,20 @@ def test_the_float_model_runs_on_the_leading_reference_samples():
     assert quantization_report(lead.module).compared_samples == 5  # through the module's JSON
     # ranges from extremes (a global scale): their int8 summaries are descriptive, taken on those 5 samples too
     assert lead.report.tensors[0].histogram["count"] == 5 * 8 * 8 and lead.report.tensors[0].name == "x"
+
+
+def test_a_grouped_nchw_convolution_on_a_global_scale_calibrates_and_runs_as_simulated():
+    """Its ReLU6 bound on the global scale's step is a rounding tie (6 / (4 / 127) = 190.5), so canonicalization
+    leaves the float clip, and the NHWC conversion's output alias reached the rewrite as a var (an AttributeError,
+    not a model error). A grouped convolution stays on the host in int8; the module equals its simulation."""
+    rng = np.random.default_rng(2)
+    mod = float_conv_block(rng, "NCHW", "OIHW", 4, (1, 8, 6, 6), 8, padding=[1, 1, 1, 1])
+    data = rng.normal(size=(6, 8, 6, 6)).astype(np.float32)
+    calibrated = calibrate(mod, data, QConfig(global_scale=4.0))
+    assert [layer.placement for layer in calibrated.report.layers] == ["host int8"]
+    _, outputs = _run_partitioned(calibrated.module, data[:3])
+    for got, sim in zip(outputs, calibrated.simulate(data[:3])):
+        np.testing.assert_array_equal(got, sim[0])
 
 
 def test_the_methods_that_observe_the_float_model_run_it_on_every_sample():
