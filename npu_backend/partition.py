@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
+import warnings
 
 import tvm
 import tvm_ffi
@@ -15,7 +17,7 @@ from simulator.config import DEFAULT_PRESET, NpuConfig, resolve_config
 
 from .canonicalize import canonicalize
 from .codegen.lower import CONFIG_ATTR
-from .errors import InternalError, NpuError
+from .errors import InternalError, NpuError, NpuWarning
 from .ops import composite_def
 from .params import OPERAND_ROLES, OPERANDS_ATTR, to_attrs, to_attrs_value
 from .patterns import PREFIX, PartitionContext, patterns_for
@@ -215,6 +217,28 @@ def _build_report(original: relax.Function, partitioned: tvm.IRModule, context: 
     return PartitionReport(context.config.name, tuple(rows), numerics.reference.value, numerics.why)
 
 
+def _warn_other_accumulators(mod: tvm.IRModule, config: NpuConfig) -> None:
+    """A module ``npu_backend.quantize`` made records the accumulators it was calibrated on; built for others, its
+    outputs are right for that hardware but differ from the calibration's simulation wherever a sum overflows, so
+    say so rather than let the difference pass for a defect (``Calibrated.npu_config`` is the hardware to pass)."""
+    from .quantization.report import REPORT_ATTR as QUANTIZATION_ATTR
+
+    text = (mod.attrs or {}).get(QUANTIZATION_ATTR)
+    if text is None:
+        return
+    try:
+        recorded = json.loads(str(text))
+        calibrated = (int(recorded["accumulator_bits"]), str(recorded["overflow_mode"]))
+    except (ValueError, KeyError, TypeError):
+        return  # a report this version did not write: nothing to compare
+    if calibrated != (config.accumulator_bits, config.accumulator_overflow):
+        warnings.warn(NpuWarning(
+            f"this module was calibrated for {calibrated[0]}-bit accumulators that {calibrated[1]}; partitioning for "
+            f"{config.name} ({config.accumulator_bits}-bit, {config.accumulator_overflow}): where a sum overflows, "
+            "its outputs differ from the calibration's simulation (pass Calibrated.npu_config as the preset)"),
+            stacklevel=3)
+
+
 def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESET,
                       reference: str = "auto") -> tvm.IRModule:
     """Split a quantized Relax module into NPU regions (``Codegen="npu"``) and host code.
@@ -246,6 +270,7 @@ def partition_for_npu(mod: tvm.IRModule, preset: NpuConfig | str = DEFAULT_PRESE
     config = resolve_config(preset)
     if not isinstance(mod, tvm.IRModule) or "main" not in mod:
         raise NpuError("partition_for_npu needs an IRModule with a 'main' function")
+    _warn_other_accumulators(mod, config)
     for func in mod.functions.values():
         if isinstance(func, relax.Function):
             check_qparams(func)

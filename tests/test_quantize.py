@@ -13,6 +13,7 @@ from tvm import relax
 import npu_backend
 from float_models import float_cnn, float_conv_block, float_dense_chain
 from npu_backend import NpuError, QConfig
+from npu_backend.errors import NpuWarning
 from npu_backend.quantization import calibrate, calibration_samples, quantization_report
 
 RNG = np.random.default_rng(7)
@@ -20,8 +21,8 @@ CALIBRATION = RNG.random((12, 8, 8, 1)).astype(np.float32)
 TEST = RNG.random((6, 8, 8, 1)).astype(np.float32)
 
 
-def _run_partitioned(qmod, inputs):
-    partitioned = npu_backend.partition_for_npu(qmod)
+def _run_partitioned(qmod, inputs, preset=npu_backend.DEFAULT_PRESET):
+    partitioned = npu_backend.partition_for_npu(qmod, preset)
     vm = relax.VirtualMachine(tvm.compile(relax.transform.RunCodegen()(partitioned), target="llvm"), tvm.cpu())
     return partitioned, [vm["main"](tvm.runtime.tensor(x[None])).numpy() for x in inputs]
 
@@ -250,8 +251,29 @@ def test_narrow_accumulator_overflows_are_counted_and_avoidable():
     layer = fixed.report.layers[0]
     assert layer.overflows == 0 and layer.accumulator_peak <= 2 ** 13 - 1
     assert layer.widened_channels > 0 and "widened" in layer.note
-    partitioned, outputs = _run_partitioned(fixed.module, data[:3])
+    partitioned, outputs = _run_partitioned(fixed.module, data[:3], fixed.npu_config)
     for got, sim in zip(outputs, fixed.simulate(data[:3])):
+        np.testing.assert_array_equal(got, sim[0])
+
+
+def test_partitioning_for_other_accumulators_than_calibrated_says_so():
+    """A module calibrated for 16-bit saturating accumulators, built for the default 32-bit NPU, computes that
+    hardware's results, which differ from its calibration's simulation where sums overflowed: a warning says so
+    and names the hardware to pass; built for its own, it warns of nothing and equals the simulation."""
+    import warnings
+
+    rng = np.random.default_rng(5)
+    mod = float_dense_chain([rng.normal(0, 0.3, (64, 8)).astype(np.float32)])
+    data = rng.random((8, 64)).astype(np.float32) + 0.5  # all-positive inputs: the sums outgrow 16 bits
+    narrow = calibrate(mod, data, QConfig(accumulator_bits=16, accumulator_overflow="saturate"))
+    assert narrow.report.total_overflows > 0
+    with pytest.warns(NpuWarning, match="calibrated for 16-bit accumulators that saturate; "
+                                                    "partitioning for npu-256 .32-bit, wrap."):
+        npu_backend.partition_for_npu(narrow.module)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _, outputs = _run_partitioned(narrow.module, data[:3], narrow.npu_config)
+    for got, sim in zip(outputs, narrow.simulate(data[:3])):
         np.testing.assert_array_equal(got, sim[0])
 
 
