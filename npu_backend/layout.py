@@ -29,6 +29,8 @@ from .relax_exprs import is_call, static_shape
 
 TO_NHWC = (0, 2, 3, 1)
 TO_NCHW = (0, 3, 1, 2)
+CONVERTED_CONV_LAYOUTS = ("NCHW", "OIHW", "NCHW")
+"""The (data, kernel, out) layouts of a convolution the conversion rewrites to NHWC (groups 1 or depthwise)."""
 
 
 class _NhwcRewriter:
@@ -78,7 +80,7 @@ class _NhwcRewriter:
     # -- layout-sensitive operators ----------------------------------------------------------------
     def _conv2d(self, call):
         a = call.attrs
-        if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != ("NCHW", "OIHW", "NCHW"):
+        if (str(a.data_layout), str(a.kernel_layout), str(a.out_layout)) != CONVERTED_CONV_LAYOUTS:
             return None
         channels = static_shape(call.args[0])[1]
         depthwise = int(a.groups) == channels and int(a.groups) > 1

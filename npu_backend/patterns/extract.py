@@ -34,6 +34,8 @@ ACTIVATION_RANGES = {t: (int(np.iinfo(f.dtype).min), int(np.iinfo(f.dtype).max))
 """Integer range of each activation type: where a fused ReLU/ReLU6 clamp is cut off."""
 
 BIAS_SCALE_RTOL = 1e-6
+CONV_LAYOUTS = {NpuOp.CONV2D: ("NHWC", "HWIO", "NHWC"), NpuOp.DEPTHWISE_CONV2D: ("NHWC", "HWOI", "NHWC")}
+"""The (data, kernel, out) layouts each convolution composite takes (TFLite's, which the NCHW conversion writes)."""
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
 s_in * s_w; TFLite's converter stores exactly that product in float32."""
 
@@ -184,17 +186,15 @@ def _conv_common(annotations, op: NpuOp) -> ConvParams:
         raise UnsupportedOpError(f"input shape {list(ifm_shape)} is not a batch-1 NHWC image")
     groups = int(attrs.groups)
     channels = ifm_shape[3]
+    if layouts != CONV_LAYOUTS[op]:
+        raise UnsupportedOpError(f"layouts {layouts} are not {'/'.join(CONV_LAYOUTS[op][:2])}")
     if op == NpuOp.CONV2D:
-        if layouts != ("NHWC", "HWIO", "NHWC"):
-            raise UnsupportedOpError(f"layouts {layouts} are not NHWC/HWIO")
         if groups != 1:
             raise UnsupportedOpError(f"grouped convolution (groups={groups}) is not a plain conv2d")
         out_channels = ofm_shape[3]
         value, scales, zps, per_channel = _weights(annotations, out_channels, oc_axis_after=3)
         weights = np.transpose(value, (3, 0, 1, 2))  # HWIO -> [OC, KH, KW, IC]
     else:
-        if layouts != ("NHWC", "HWOI", "NHWC"):
-            raise UnsupportedOpError(f"layouts {layouts} are not NHWC/HWOI")
         if groups != channels or ofm_shape[3] % channels:
             raise UnsupportedOpError(f"depthwise convolution needs groups == channels ({groups} != {channels}) and "
                                      f"a whole channel multiplier ({ofm_shape[3]} outputs of {channels} channels)")

@@ -32,9 +32,10 @@ from simulator.isa import Opcode
 
 from ..canonicalize import quantized_activation
 from ..codegen.lower import MacLayer, mac_layer_of
+from ..layout import CONVERTED_CONV_LAYOUTS
 from ..ops import OPS
 from ..params import ConvParams
-from ..patterns.extract import integer_clamp, mac_rounding
+from ..patterns.extract import CONV_LAYOUTS, integer_clamp, mac_rounding
 from ..reference import REFERENCE_OF_SOURCE, follow_reference
 from .parallel import TVM_LOCK
 
@@ -51,6 +52,11 @@ def predict(layer, plan, input_q, output_q, weights, source: str, config) -> Mac
     if plan is None or weights is None or plan.opcode not in MAC_OPS:
         return None
     op = MAC_OPS[plan.opcode]
+    if plan.conv is not None:
+        attrs = layer.bindings[0].value.attrs
+        if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) not in (
+                CONV_LAYOUTS[op], CONVERTED_CONV_LAYOUTS):
+            return None  # a kernel layout the composite does not take: the layer stays on the host
     clamp = (-128, 127)
     if layer.clamp is not None:
         bounds = quantized_activation(*layer.clamp, output_q.scale, output_q.zero_point)
