@@ -435,8 +435,8 @@ def _walk_once(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool
 def _walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress, reference: bool,
           later: Deferred, builder: Builder | None):
     reference = reference or (calibrating and ctx.config.float_reference)
-    # the float model's samples: while calibrating, the first QConfig.reference_samples (its pass is a third of the
-    # work and most of the memory); else, asked for, all of them
+    # the float model's samples: while calibrating, the first QConfig.reference_samples (on every sample its pass was
+    # as much work as the quantized model's, and most of the memory); else, asked for, all of them
     compared = ctx.config.compared_samples(len(samples)) if calibrating else len(samples)
     fvals: dict = {}
     qvals: dict = {}

@@ -93,17 +93,17 @@ class QConfig:
         comparison); the report's SQNR columns are then empty, and the settings that need the float model must
         be off (``bias_correction=False``), or the config is refused.
     reference_samples : int or None
-        How many calibration samples (the first ones) the float model runs on: bias correction's means, the
-        report's SQNR against float and the float fall-back's measurements are taken on them, and the report's
-        int8 summaries of ranges read from extremes; ``None`` (or any count at least the samples', as a TOML grid,
-        which has no None, says it): every sample. The ranges are always observed on every sample. The float model's pass was as much work as the
-        quantized one and most of calibration's memory (MobileNetV2-224, 100 samples: 6.5 s with it on all of
-        them, 4 s on 16, 3.6 s without it). A channel's mean error over 16 samples' pixels is already precise (AIMET
-        too takes bias correction's statistics on fewer samples than its ranges): on the digits models, 16, 32,
-        50 or all 100 samples gave output SQNRs within a third of a dB of each other and top-1 within 5 of 400
-        test images, as noisy as that; with 8 or 12 the MobileNet-like net fell to 94.5-94.75% (the anchors:
-        95%). ``"kl"`` and least-squares rounding read the float model on every sample they observe, so they run
-        it on every sample whatever this says.
+        How many calibration samples (the first ones) the float model runs on: bias correction's means, the report's
+        SQNR against float and the float fall-back's measurements are taken on them, and the report's int8 summaries
+        of ranges read from extremes; ``None`` (or any count at least the samples', as a TOML grid, which has no
+        None, says it): every sample. The ranges are always observed on every sample. The float model's pass was as
+        much work as the quantized one and most of calibration's memory (MobileNetV2-224, 100 samples, one
+        calibration in a fresh process: 6.5 s with it on all of them, 4.0 s on 16, 3.3 s without it). A channel's
+        mean error over 16 samples' pixels is already precise (AIMET too takes bias correction's statistics on fewer
+        samples than its ranges): on the digits models, 16, 32, 50 or all 100 samples gave output SQNRs within a
+        third of a dB of each other and top-1 within 5 of 400 test images, as noisy as that; with 8 or 12 the
+        MobileNet-like net fell to 94.5-94.75% (the anchors: 95%). ``"kl"`` and least-squares rounding read the
+        float model on every sample they observe, so they run it on every sample whatever this says.
     bias_correction : bool
         Empirical bias correction: each biased layer's bias absorbs the mean difference, per output channel,
         between the float model's accumulator and the quantized model's (weight rounding and upstream error)
