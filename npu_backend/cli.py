@@ -455,7 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "SQNR in the report")
     quant.add_argument("--reference-samples", type=_reference_samples, default=argparse.SUPPRESS, metavar="N",
                        help="run the float model (bias correction, SQNR) on the first N calibration samples, or "
-                            "'all' (default: QConfig.reference_samples')")
+                            "'all' (default: QConfig.reference_samples)")
     quant.add_argument("--skip", action="append", help="layer kept float (name or index; repeatable)")
     quant.add_argument("--preset", default=DEFAULT_PRESET, help=PRESET_HELP)
     quant.add_argument("--json", action="store_true", help="print the report as JSON")
