@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import warnings
 
@@ -221,16 +220,15 @@ def _warn_other_accumulators(mod: tvm.IRModule, config: NpuConfig) -> None:
     """A module ``npu_backend.quantize`` made records the accumulators it was calibrated on; built for others, its
     outputs are right for that hardware but differ from the calibration's simulation wherever a sum overflows, so
     say so rather than let the difference pass for a defect (``Calibrated.npu_config`` is the hardware to pass)."""
-    from .quantization.report import REPORT_ATTR as QUANTIZATION_ATTR
+    from .quantization.report import REPORT_ATTR as QUANTIZATION_ATTR, quantization_report
 
-    text = (mod.attrs or {}).get(QUANTIZATION_ATTR)
-    if text is None:
+    if mod.attrs is None or QUANTIZATION_ATTR not in mod.attrs:
         return
     try:
-        recorded = json.loads(str(text))
-        calibrated = (int(recorded["accumulator_bits"]), str(recorded["overflow_mode"]))
+        report = quantization_report(mod)
     except (ValueError, KeyError, TypeError):
         return  # a report this version did not write: nothing to compare
+    calibrated = (report.accumulator_bits, report.overflow_mode)
     if calibrated != (config.accumulator_bits, config.accumulator_overflow):
         warnings.warn(NpuWarning(
             f"this module was calibrated for {calibrated[0]}-bit accumulators that {calibrated[1]}; partitioning for "

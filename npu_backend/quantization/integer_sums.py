@@ -93,12 +93,12 @@ class IntegerSums:
         """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
         channels last, :mod:`.storage`)."""
         self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
-        self.total_samples = len(centred) if total_samples is None else total_samples
+        self.total_samples = (len(centred) if total_samples is None else total_samples) if totals else 0
+        """The leading samples whose totals :meth:`channel_totals` gives (bias correction compares them with the
+        float model's, which may run on fewer samples than calibration: ``QConfig.reference_samples``); 0: none."""
         if totals and not 0 < self.total_samples <= len(centred):
             raise ValueError(f"totals of {self.total_samples} samples asked of sums of {len(centred)}")
-        """The leading samples whose totals :meth:`channel_totals` gives (bias correction compares them with the
-        float model's, which may run on fewer samples than calibration: ``QConfig.reference_samples``)."""
-        whole = totals and self.total_samples >= len(centred)  # taken as the sums form; else read again, in part
+        whole = self.total_samples == len(centred)  # taken as the sums form; else read again, in part
         statistics = _channel_statistics if whole else _channel_extremes  # totals: for bias correction alone
         self._plan, self._weight32, self._centred = (dataclasses.replace(plan, channels_first=False),
                                                      weight.astype(np.float32), centred)
@@ -112,7 +112,6 @@ class IntegerSums:
         self._extremes = (np.minimum.reduce([p[0] for p in parts]).astype(np.float64),
                           np.maximum.reduce([p[1] for p in parts]).astype(np.float64))
         self._totals = np.sum([p[2] for p in parts], axis=0) if whole else None
-        self._totalled = totals
 
     @property
     def sums(self) -> np.ndarray:
@@ -147,7 +146,7 @@ class IntegerSums:
         """The total per output channel of the sums of the first :attr:`total_samples` samples, float64 (exact:
         integers below 2**53, in any order). Of fewer samples than the batch, they are read once more (kept) or
         formed again, those samples alone, on the workers."""
-        if not self._totalled:
+        if not self.total_samples:
             raise ValueError("these integer sums were formed without their totals (totals=False)")
         if self._totals is None:
             parts = chunks(self.total_samples, math.prod(self.shape[1:]))

@@ -44,12 +44,11 @@ too. The requantizer ran at 0.63 ns a value on 256-bit vectors, 0.375 on 512-bit
 at 12-14 GMAC/s against 15-17 (Xeon, one thread, in cache). The others gained nothing measurable (the byte count is
 scalar; the totals and the bias add are memory-bound) or need their products rounded before their additions.
 
-Otherwise a kernel's result is exact by construction (integer counts; the requantizer's operations are exact, so
-an FMA or any order gives the same values), so it is the same whatever the compiler does with the loop. Each is
-compiled at first use (0.1 to 1.2 s; then kept on disk for later processes, :mod:`.kernel_cache`), with symbolic
-sizes: one kernel for every tensor (a depthwise one per kernel size and input type, strides, dilations, padding
-and zero point its arguments). A call releases the GIL, so the worker threads of :mod:`.parallel` run kernels side
-by side.
+The byte count's result is exact by construction (integer counts), so it is the same whatever the compiler does with
+the loop. Each kernel is compiled at first use (0.1 to 1.2 s; then kept on disk for later processes,
+:mod:`.kernel_cache`), with symbolic sizes: one kernel for every tensor (a depthwise one per kernel size and input
+type, strides, dilations, padding and zero point its arguments). A call releases the GIL, so the worker threads of
+:mod:`.parallel` run kernels side by side.
 """
 
 from __future__ import annotations
