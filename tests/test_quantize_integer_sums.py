@@ -16,7 +16,7 @@ import pytest
 
 from float_models import float_conv_block, float_dense_chain
 from npu_backend import QConfig
-from npu_backend.quantization import _npu_config, batched_float, calibrate, integer_sums
+from npu_backend.quantization import _npu_config, batched_float, calibrate, integer_sums, kernels
 from npu_backend.quantization.calibrate import _weights
 from npu_backend.quantization.config import ROUNDINGS
 from npu_backend.quantization.integer_sums import IntegerSums, exact_bound
@@ -39,7 +39,11 @@ LAYERS = {
     "NHWC dilated": lambda: float_conv_block(RNG, "NHWC", "HWIO", 1, (1, 9, 8, 6), 10, padding=[1, 1, 1, 1],
                                              dilation=[2, 2]),
     "dense": lambda: float_dense_chain([RNG.normal(0, 0.3, (40, 12))]),
+    # whole blocks of 16 channels and inputs in fours: the int8 product kernel's (where the CPU has VNNI)
+    "pointwise 20 to 48 NHWC": lambda: float_conv_block(RNG, "NHWC", "HWIO", 1, (1, 5, 7, 20), 48, k=1),
+    "dense 36 to 32": lambda: float_dense_chain([RNG.normal(0, 0.3, (36, 32))]),
 }
+INT8_PRODUCT = ("pointwise 20 to 48 NHWC", "dense 36 to 32")
 CONFIGS = {
     "tflite": QConfig(),
     "onnxruntime": QConfig(rounding="onnxruntime"),
@@ -112,6 +116,28 @@ def test_sums_formed_again_at_each_read_are_the_kept_sums(name, config, monkeypa
                for sums in (kept, again)]
     assert outputs[0].tobytes() == outputs[1].tobytes()
     assert again.sums.tobytes() == kept.sums.tobytes()
+
+
+@pytest.mark.skipif(not kernels._vnni(), reason="the int8 product needs AVX-512 VNNI")
+@pytest.mark.parametrize("name", INT8_PRODUCT)
+def test_the_int8_product_kernel_forms_the_same_sums(name, monkeypatch):
+    """A row-wise layer whose weights the int8 product takes forms its sums with it (kept and formed again), the
+    same sums as the float32 product of the centred input, statistics, totals and NPU outputs alike."""
+    layer, x, wq, npu, plan, centred = _npu_layer(name, CONFIGS["tflite"])
+    monkeypatch.setattr(batched_float, "BLOCK_ELEMENTS", 41)  # many blocks, rows left over by the register tile
+    used = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    assert used._packed is not None
+    monkeypatch.setattr(integer_sums, "formed_again", lambda *args: True)
+    again = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    monkeypatch.setattr(kernels, "_vnni", lambda: False)
+    blas = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    assert again._packed is not None and blas._packed is None
+    for sums in (used, again):
+        assert sums.sums.tobytes() == blas.sums.tobytes()
+        for a, b in zip(sums.channel_extremes(), blas.channel_extremes()):
+            assert np.array_equal(a, b)
+        assert np.array_equal(sums.channel_totals(), blas.channel_totals())
+        assert sums.npu_outputs(npu.mac)[0].tobytes() == blas.npu_outputs(npu.mac)[0].tobytes()
 
 
 def test_only_large_sums_of_few_products_are_formed_again():
@@ -265,7 +291,7 @@ def test_statistics_read_as_the_sums_form_see_every_sum_once_in_order(name, monk
     channels = want.shape[-1]  # the results, in order, hold every sum once
     assert np.concatenate([b.reshape(-1, channels) for b in seen]).tobytes() == want.tobytes()
     chunk_count = len(batched_float.chunks(len(x), x[0].size))
-    if name in ("pointwise NCHW", "dense"):  # row-wise (the pointwise layer is summed channels last)
+    if name in ("pointwise NCHW", "dense", *INT8_PRODUCT):  # row-wise (a pointwise layer is summed channels last)
         assert len(seen) > chunk_count
     else:
         assert len(seen) == chunk_count

@@ -364,3 +364,57 @@ def test_exact_kernels_use_avx512_only_where_the_cpu_has_it(monkeypatch, avx512)
         assert exact == rounded == []
     else:
         assert exact == ([] if avx512 else ["-avx512f"]) and rounded == kernels._NO_FMA
+
+
+needs_vnni = pytest.mark.skipif(not kernels._vnni(), reason="the int8 product needs AVX-512 VNNI")
+
+
+@needs_vnni
+@pytest.mark.parametrize("rows, depth, channels", [
+    (1, 4, 16), (3, 12, 16), (4, 16, 64), (5, 20, 48), (9, 36, 80), (13, 96, 144), (0, 8, 32), (37, 1280, 16)])
+def test_int8_matmul_is_the_float32_product_of_the_centred_input(rows, depth, channels):
+    """Every row tile and channel block, with the rows, blocks and input groups left over by the register tile
+    (4 rows, 4 blocks of 16 channels, 4 groups of 4 inputs chained), against the float32 product the sums were
+    formed by before: equal where every sum is an integer below 2**24, as the integer sums' are."""
+    rng = np.random.default_rng(rows * 1000 + depth + channels)
+    for zero_point in (-128, -5, 0, 127):
+        x = rng.integers(-128, 128, (rows, depth)).astype(np.int8)
+        w = rng.integers(-128, 128, (depth, channels)).astype(np.float32)
+        out = np.full((rows, channels), np.nan, np.float32)
+        kernels.int8_matmul(x, kernels.int8_weights(w, zero_point), out)
+        np.testing.assert_array_equal(out, (x.astype(np.float32) - np.float32(zero_point)) @ w)
+
+
+@needs_vnni
+def test_int8_matmul_at_the_extremes():
+    """The largest products of both signs: x = -128 or 127 less a zero point of 127 or -128, w = -128 or 127."""
+    depth, channels = 64, 32
+    for x_value, zero_point, w_value in [(-128, 127, -128), (127, -128, 127), (-128, 127, 127), (127, -128, -128)]:
+        x = np.full((6, depth), x_value, np.int8)
+        w = np.full((depth, channels), w_value, np.float32)
+        out = np.empty((6, channels), np.float32)
+        kernels.int8_matmul(x, kernels.int8_weights(w, zero_point), out)
+        assert (out == depth * (x_value - zero_point) * w_value).all()
+
+
+def test_int8_weights_only_where_the_kernel_takes_them(monkeypatch):
+    w = np.random.default_rng(0).integers(-128, 128, (8, 32)).astype(np.float32)
+    monkeypatch.setattr(kernels, "_vnni", lambda: True)
+    packed = kernels.int8_weights(w, 3)
+    assert packed.depth == 8 and packed.channels == 32 and packed.packed.dtype == np.int8
+    np.testing.assert_array_equal(packed.correction.reshape(-1), (128 + 3) * w.astype(np.int64).sum(axis=0))
+    # channel n's inputs 4q..4q+3 sit together, as the byte dot product reads them
+    assert list(packed.packed[1, 1, 4 * 5:4 * 5 + 4]) == list(w[4:8, 16 + 5].astype(np.int8))
+    assert kernels.int8_weights(w[:6], 3) is None  # inputs not a multiple of 4
+    assert kernels.int8_weights(w[:, :24], 3) is None  # channels not whole blocks of 16
+    assert kernels.int8_weights(w + 0.5, 3) is None  # not integers
+    assert kernels.int8_weights(np.where(w > 100, 128.0, w).astype(np.float32), 3) is None  # past int8
+    monkeypatch.setattr(kernels, "_vnni", lambda: False)
+    assert kernels.int8_weights(w, 3) is None  # a machine without VNNI
+
+
+def test_the_int8_product_is_compiled_with_the_features_it_was_checked_for(monkeypatch):
+    targets = {}
+    monkeypatch.setattr(kernels.kernel_cache, "compiled", lambda name, module, target: targets.setdefault(name, target))
+    kernels._compile("vnni", kernels._int8_matmul_func, any_order=True, features=("+avx512vnni", "+avx512bw"))
+    assert list(targets["vnni"].attrs.get("mattr", []))[-2:] == ["+avx512vnni", "+avx512bw"]

@@ -104,8 +104,9 @@ class IntegerSums:
                                                      weight.astype(np.float32), centred)
         self.shape = self._plan.output_shape(centred, self._weight32)
         self.kept = not formed_again(self._plan, self.shape, centred.shape[-1])
+        self._packed = self._plan.int8_weights(centred, self._weight32, input_zero_point)  # packed once, read twice
         self._kept, parts = self._plan.sums(centred, self._weight32, then=statistics, zero_point=input_zero_point,
-                                            keep=self.kept)
+                                            keep=self.kept, packed=self._packed)
         self.channels = self.shape[-1]
         self.per_channel = math.prod(self.shape) // self.channels
         self._chunks = chunks(self.shape[0], math.prod(self.shape[1:]))
@@ -132,7 +133,7 @@ class IntegerSums:
         if self._kept is not None:
             yield self._kept[part].reshape(-1, self.channels), slice(None)
             return
-        yield from self._plan.int8_blocks(self._centred[part], self._weight32, self.input_zero_point)
+        yield from self._plan.int8_blocks(self._centred[part], self._weight32, self.input_zero_point, self._packed)
 
     def exact_with(self, bias: np.ndarray | None) -> bool:
         largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))

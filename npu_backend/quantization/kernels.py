@@ -37,6 +37,14 @@ fused multiply-add contraction would break: the kernels are compiled without FMA
 whose operations are all exact, below), which only x86's ``-fma`` attribute guarantees, so :func:`depthwise` is used
 on x86-64 alone (:func:`depthwise_applies`).
 
+A pointwise convolution or dense layer's integer sums were numpy's float32 product of the centred input (a
+float32 copy of each block, then OpenBLAS's SGEMM): on MobileNetV2 a third of calibration's CPU. On a CPU with
+AVX-512 VNNI, :func:`int8_matmul` takes the int8 input and weights as they are and sums ``(x + 128) * w`` in int32
+by byte dot products (64 a vector), less the zero point's share of each channel's weights: exact integers, so
+the float32 results are the same wherever the sums are below 2**24, the bound calibration checks before forming
+any. 1.4 to 2.2 times OpenBLAS's rate with its centring (MobileNetV2's pointwise shapes, one thread: 35-120
+GMAC/s against 24-64).
+
 A kernel whose every float operation is exact (the requantizer within its ``limits``; the depthwise sums of int8
 inputs and integer weights below 2**24) gives the same values with fused multiply-adds, so it is compiled
 ``any_order``, with every feature of the machine: on x86 LLVM's AVX-512 implies FMA, so ``-fma`` turns AVX-512 off
@@ -57,6 +65,7 @@ import functools
 import platform
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -161,19 +170,29 @@ def integer_statistics_applies(sums: np.ndarray) -> bool:
     return channels_apply(sums) and sums.size > 0 and _avx512()
 
 
-@functools.cache
 def _avx512() -> bool:
-    """Whether the running CPU has AVX-512 (Linux's ``/proc/cpuinfo`` flags; False where they cannot be read). Not
-    the features LLVM's name for the CPU implies: a virtual machine may hide AVX-512 from a CPU whose model has
-    it, and code using it would then die of an illegal instruction."""
+    """Whether the running CPU has AVX-512 (:func:`_cpu_flags`)."""
+    return "avx512f" in _cpu_flags()
+
+
+def _vnni() -> bool:
+    """Whether the running CPU has AVX-512's int8 dot products (VNNI, with the byte and word instructions)."""
+    return {"avx512f", "avx512bw", "avx512_vnni"} <= _cpu_flags()
+
+
+@functools.cache
+def _cpu_flags() -> frozenset:
+    """The running CPU's feature flags (Linux's ``/proc/cpuinfo``; none where they cannot be read). Not the
+    features LLVM's name for the CPU implies: a virtual machine may hide AVX-512 from a CPU whose model has it, and
+    code using it would then die of an illegal instruction."""
     try:
         with open("/proc/cpuinfo") as info:
             for line in info:
                 if line.startswith("flags"):
-                    return "avx512f" in line.split(":", 1)[1].split()
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return False
+    return frozenset()
 
 
 def integer_statistics(sums: np.ndarray, totals: bool) -> tuple[np.ndarray, ...]:
@@ -206,6 +225,60 @@ def channel_totals(values: np.ndarray) -> np.ndarray:
     totals = np.empty(channels)
     _run("channel_totals", _channel_totals_func, (values.reshape(-1, *shape), totals.reshape(shape)))
     return totals
+
+
+MATMUL_ROWS, MATMUL_BLOCKS, MATMUL_STEPS = 4, 4, 4
+"""The int8 product's register tile (:func:`int8_matmul`): rows of the input by blocks of 16 output channels, 16
+accumulators of 16 lanes; and the dot products of 4 bytes chained in registers between two reads of them. Of the
+tiles measured (4x4, 6x4, 8x2, 4x2; 4 or 8 steps) on MobileNetV2's pointwise shapes, the best on the whole."""
+
+
+@dataclass(frozen=True)
+class Int8Weights:
+    """A layer's int8 ``[K, N]`` weight matrix as :func:`int8_matmul` reads it, with the input's zero point
+    folded in: ``packed [N/16, K/4, 64]`` (for each block of 16 output channels and each 4 inputs, the 4 weights
+    of each channel), ``correction [N/16, 16]`` = ``(128 + zero_point) * sum_k w[k, n]`` (int32)."""
+
+    packed: np.ndarray
+    correction: np.ndarray
+
+    @property
+    def depth(self) -> int:
+        return self.packed.shape[1] * 4
+
+    @property
+    def channels(self) -> int:
+        return self.packed.shape[0] * 16
+
+
+def int8_weights(matrix: np.ndarray, zero_point: int) -> Int8Weights | None:
+    """``matrix [K, N]`` (float32 or integer, holding int8 values) packed for :func:`int8_matmul` of an input
+    centred by ``zero_point``; None where the kernel does not take it: a machine without VNNI
+    (:func:`_vnni`), ``K`` not a multiple of 4 or ``N`` of 16, a value that is not an int8 integer."""
+    depth, channels = matrix.shape
+    if not (_vnni() and depth and depth % 4 == 0 and channels and channels % 16 == 0 and depth < 1 << 16):
+        return None  # below 2**16 inputs, no int32 accumulator of (x + 128) * w can overflow
+    weights = np.asarray(matrix)
+    integers = np.rint(weights)
+    if not (np.array_equal(weights, integers) and integers.min() >= -128 and integers.max() <= 127):
+        return None
+    w = integers.astype(np.int8)
+    packed = np.ascontiguousarray(w.reshape(depth // 4, 4, channels // 16, 16).transpose(2, 0, 3, 1))
+    correction = (128 + int(zero_point)) * w.astype(np.int64).sum(axis=0)
+    return Int8Weights(packed.reshape(channels // 16, depth // 4, 64),
+                       correction.astype(np.int32).reshape(channels // 16, 16))
+
+
+def int8_matmul(x: np.ndarray, weights: Int8Weights, out: np.ndarray) -> None:
+    """``out = (x - zero_point) @ w`` for int8 ``x [R, K]`` and the packed int8 ``w`` (:func:`int8_weights`),
+    into float32 ``out [R, N]``; both contiguous. Summed exactly in int32 (``(x + 128) * w`` by AVX-512 VNNI's
+    byte dot products, then less the correction), so the float32 results are those of the float32 product of
+    the centred input wherever every sum is below 2**24 (the integer sums' bound, :mod:`.integer_sums`)."""
+    rows = x.reshape(-1, weights.depth)
+    scratch = np.empty((MATMUL_ROWS, MATMUL_BLOCKS, 16), np.int32)
+    _run("int8_matmul", _int8_matmul_func, (rows, weights.packed, weights.correction,
+                                            out.reshape(-1, weights.channels // 16, 16), scratch),
+         any_order=True, features=("+avx512vnni", "+avx512bw"))
 
 
 def depthwise_applies(channels: int, multiplier: int) -> bool:
@@ -257,16 +330,18 @@ _NO_FMA = ["-fma", "-fma4"] if platform.machine().lower() in ("x86_64", "amd64")
 none is known)."""
 
 
-def _run(name: str, make, arrays, *scalars, any_order: bool = False) -> None:
-    """Call the kernel ``name`` (compiled from ``make()`` at first use; ``any_order``: see the module docstring)
-    on numpy ``arrays``, then ``scalars``. The arrays are passed without their alignment checked: the kernels
-    declare element alignment only, and numpy's views are not 64-byte aligned."""
+def _run(name: str, make, arrays, *scalars, any_order: bool = False, features: tuple = ()) -> None:
+    """Call the kernel ``name`` (compiled from ``make()`` at first use; ``any_order``: see the module docstring;
+    ``features``: LLVM target attributes it needs, such as ``+avx512vnni``) on numpy ``arrays``, then
+    ``scalars``. The arrays are passed without their alignment checked: the kernels declare element alignment
+    only, and numpy's views are not 64-byte aligned."""
     import tvm_ffi
 
-    _kernel(name, make, any_order)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays), *scalars)
+    _kernel(name, make, any_order, features)(*(tvm_ffi.from_dlpack(a, require_alignment=0) for a in arrays),
+                                             *scalars)
 
 
-def _kernel(name: str, make, any_order: bool = False):
+def _kernel(name: str, make, any_order: bool = False, features: tuple = ()):
     with _lock:  # one compilation per kernel, whichever thread asks first
         if name not in _compiled:
             # On a thread of its own: TVMScript's parser keeps inspect.stack() of the code that defines a function
@@ -274,11 +349,11 @@ def _kernel(name: str, make, any_order: bool = False):
             # (a layer's batch-sized arrays among their locals) until the cyclic collector ran. An error is
             # raised here, on the caller's thread.
             with ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-kernel-build") as builder:
-                _compiled[name] = builder.submit(_compile, name, make, any_order).result()
+                _compiled[name] = builder.submit(_compile, name, make, any_order, features).result()
         return _compiled[name]
 
 
-def _compile(name: str, make, any_order: bool = False):
+def _compile(name: str, make, any_order: bool = False, features: tuple = ()):
     import tvm
     from tvm.target import codegen
 
@@ -287,6 +362,8 @@ def _compile(name: str, make, any_order: bool = False):
         target["mattr"] = _NO_FMA
     elif _NO_FMA is not None and not _avx512():  # the CPU's name may imply AVX-512 that the machine hides
         target["mattr"] = ["-avx512f"]
+    if features:  # what the caller checked the machine has (its CPU's name may not say so)
+        target["mattr"] = [*target.get("mattr", []), *features]
     module = tvm.IRModule({name: make().with_attr("global_symbol", name)})
     return kernel_cache.compiled(name, module, tvm.target.Target(target))
 
@@ -516,3 +593,73 @@ def _depthwise_func(kh: int, kw: int, dtype: str, lanes: int = LANES):
                                              top, left, zero_point, zero, True)
 
     return depthwise
+
+
+def _int8_matmul_func():
+    from tvm.script import tirx as T
+
+    tile_rows, tile_blocks, steps = MATMUL_ROWS, MATMUL_BLOCKS, MATMUL_STEPS
+
+    def dot(acc, a, w):
+        """``acc`` plus, in each lane, the dot product of its 4 unsigned bytes of ``a`` and signed bytes of ``w``."""
+        return T.call_llvm_pure_intrin("int32x16", "llvm.x86.avx512.vpdpbusd.512", acc, a, w)
+
+    def inputs(X, r, q):
+        """Inputs ``4q .. 4q+3`` of row ``r``, made unsigned (``x + 128``: the sign bit flipped), in every lane."""
+        word = T.bitwise_xor(T.reinterpret("int32", X[r, T.ramp(q * 4, 1, 4)]), T.int32(-2139062144))
+        return T.reinterpret("int8x64", T.broadcast(word, 16))
+
+    def chained(acc, X, W, r, b, q0):
+        """``steps`` dot products of row ``r`` and channel block ``b`` from input group ``q0``, in registers."""
+        for u in range(steps):
+            acc = dot(acc, inputs(X, r, q0 + u), W[b, q0 + u, T.ramp(0, 1, 64)])
+        return acc
+
+    @T.prim_func(check_well_formed=False)
+    def int8_matmul(x_h: T.handle, w_h: T.handle, c_h: T.handle, out_h: T.handle, acc_h: T.handle):
+        # The accumulators live in a buffer the caller passes (TVM would put a local one on the heap, whose
+        # every update LLVM then stores); each is read and written once per ``steps`` products.
+        T.func_attr({"tir.noalias": True})
+        m, k, nb = T.int64(), T.int64(), T.int64()
+        X = T.match_buffer(x_h, (m, k), "int8", align=1)
+        W = T.match_buffer(w_h, (nb, k // 4, 64), "int8", align=1)
+        C = T.match_buffer(c_h, (nb, 16), "int32", align=4)
+        OUT = T.match_buffer(out_h, (m, nb, 16), "float32", align=4)
+        ACC = T.match_buffer(acc_h, (tile_rows, tile_blocks, 16), "int32", align=4)
+        for tile in range(m // tile_rows):
+            for jb in range(nb // tile_blocks):
+                for i, j in T.grid(tile_rows, tile_blocks):
+                    ACC[i, j, T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+                for g in range(k // (4 * steps)):
+                    for i in T.unroll(tile_rows):
+                        for j in T.unroll(tile_blocks):
+                            ACC[i, j, T.ramp(0, 1, 16)] = chained(ACC[i, j, T.ramp(0, 1, 16)], X, W,
+                                                                  tile * tile_rows + i, jb * tile_blocks + j, g * steps)
+                for q in range(k // 4 - (k // 4) % steps, k // 4):
+                    for i in T.unroll(tile_rows):
+                        for j in T.unroll(tile_blocks):
+                            ACC[i, j, T.ramp(0, 1, 16)] = dot(ACC[i, j, T.ramp(0, 1, 16)],
+                                                             inputs(X, tile * tile_rows + i, q),
+                                                             W[jb * tile_blocks + j, q, T.ramp(0, 1, 64)])
+                for i, j in T.grid(tile_rows, tile_blocks):
+                    OUT[tile * tile_rows + i, jb * tile_blocks + j, T.ramp(0, 1, 16)] = T.Cast(
+                        "float32x16", ACC[i, j, T.ramp(0, 1, 16)] - C[jb * tile_blocks + j, T.ramp(0, 1, 16)])
+            for b in range(nb - nb % tile_blocks, nb):  # the channel blocks left over, a row tile at a time
+                for i in range(tile_rows):
+                    ACC[i, 0, T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+                for q in range(k // 4):
+                    for i in T.unroll(tile_rows):
+                        ACC[i, 0, T.ramp(0, 1, 16)] = dot(ACC[i, 0, T.ramp(0, 1, 16)],
+                                                         inputs(X, tile * tile_rows + i, q), W[b, q, T.ramp(0, 1, 64)])
+                for i in range(tile_rows):
+                    OUT[tile * tile_rows + i, b, T.ramp(0, 1, 16)] = T.Cast(
+                        "float32x16", ACC[i, 0, T.ramp(0, 1, 16)] - C[b, T.ramp(0, 1, 16)])
+        for r in range(m - m % tile_rows, m):  # the rows left over, one at a time
+            for b in range(nb):
+                ACC[0, 0, T.ramp(0, 1, 16)] = T.broadcast(T.int32(0), 16)
+                for q in range(k // 4):
+                    ACC[0, 0, T.ramp(0, 1, 16)] = dot(ACC[0, 0, T.ramp(0, 1, 16)], inputs(X, r, q),
+                                                     W[b, q, T.ramp(0, 1, 64)])
+                OUT[r, b, T.ramp(0, 1, 16)] = T.Cast("float32x16", ACC[0, 0, T.ramp(0, 1, 16)] - C[b, T.ramp(0, 1, 16)])
+
+    return int8_matmul
