@@ -190,7 +190,7 @@ def instrument() -> Phases:
         (steps.NpuLayer, "_build", "NPU layer: lower to a stream"),
         (steps.NpuLayer, "__init__", "NPU layer: emit QDQ"),
         (steps, "layer_module", "NPU layer: emit QDQ"),
-        (calibrate, "built_mac_layers", "NPU layer: check predicted records (batched builds)"),
+        (calibrate, "built_records", "NPU layer: check predicted records (batched builds)"),
         (calibrate, "predict", "NPU layer: predict a MAC record"),
         (steps, "run_stream_batch", "simulator: other (command loop, outputs)"),
         (batch, "mac_output", "simulator: MAC commands (batched)"),
@@ -249,8 +249,11 @@ def count_streams(phases: Phases, layer_class, predicted_class) -> Counter:
     def counted_predicted(self, *args, **kwargs):
         predicted_init(self, *args, **kwargs)
         tally["layers"] += 1
-        tally["MAC layers (no stream needed)"] += 1
-        tally["of them predicted (built beside the walk)"] += 1
+        if self.mac is not None:
+            tally["MAC layers (no stream needed)"] += 1
+            tally["of them predicted (built beside the walk)"] += 1
+        else:
+            tally["elementwise layers read from their predicted tables"] += 1
 
     @functools.wraps(init)
     def counted_init(self, *args, **kwargs):
@@ -381,10 +384,13 @@ def main() -> int:
               f"({phases.calls[name]} calls)")
     streams = phases.streams
     mac, guessed = "MAC layers (no stream needed)", "of them predicted (built beside the walk)"
-    kinds = sorted((k for k in streams if k not in ("streams", "layers", mac, guessed)), key=lambda k: -streams[k])
+    tables = "elementwise layers read from their predicted tables"
+    kinds = sorted((k for k in streams if k not in ("streams", "layers", mac, guessed, tables)),
+                   key=lambda k: -streams[k])
     print(f"calibration's NPU layers: {streams['layers']}, of which {streams[mac]} MAC layers read from their "
-          f"integer sums ({streams[guessed]} through their predicted records, checked against their builds beside "
-          f"the walk); {streams['streams']} streams lowered, {sum(streams[k] for k in kinds):,} commands: "
+          f"integer sums ({streams[guessed]} through their predicted records) and {streams[tables]} elementwise "
+          f"layers from their predicted commands' tables of input pairs, all checked against their builds beside "
+          f"the walk; {streams['streams']} streams lowered, {sum(streams[k] for k in kinds):,} commands: "
           + ", ".join(f"{k} {streams[k]:,}" for k in kinds))
     print("calibration walk per layer kind (float, observers, simulator, NPU build):")
     for kind, seconds in sorted(per_kind.items(), key=lambda kv: -kv[1]):

@@ -14,17 +14,17 @@ import tvm
 from tvm import relax
 
 from simulator.config import NpuConfig
-from simulator.isa import CommandStream, Convolution, Opcode
+from simulator.isa import CommandStream, Convolution, Elementwise, Opcode
 
 from ..errors import UnsupportedOpError
 from ..legality import check
 from ..ops import decode_composite, op_def
-from ..params import OPERANDS_ATTR, ConvParams, TransposeParams
+from ..params import OPERANDS_ATTR, ConvParams, ElementwiseParams, TransposeParams
 from .graph import GraphLayer, RegionGraph, Tensor, lower_graph, lower_layer
-from .programs import MacProgram, Operand, row_program
+from .programs import ElementwiseProgram, MacProgram, Operand, row_program
 
 __all__ = ["lower_layer", "lower_region", "lower_module", "npu_regions", "region_graph", "mac_layer", "mac_layer_of",
-           "MacLayer", "CONFIG_ATTR"]
+           "MacLayer", "elementwise_layer", "elementwise_layer_of", "ElementwiseLayer", "CONFIG_ATTR"]
 
 CONFIG_ATTR = "npu.config"
 """Region attribute: the JSON of the ``NpuConfig`` the region was partitioned for."""
@@ -105,13 +105,20 @@ def mac_layer(func: relax.Function, symbol: str) -> MacLayer | None:
     """The region as a :class:`MacLayer` when it computes a single convolution, depthwise convolution or fully
     connected layer whose row program the scheduler would use, with at most the layout transposes of an NCHW
     model around it (they move bytes, never change a value); None otherwise."""
+    layer, _, config = _single_layer(func, symbol, ConvParams)
+    return None if layer is None else mac_layer_of(layer.params, config, layer.name, list(layer.operands))
+
+
+def _single_layer(func: relax.Function, symbol: str, kind: type
+                  ) -> tuple[GraphLayer | None, RegionGraph, NpuConfig]:
+    """The region's one layer of record type ``kind`` when every other is a layout transpose (else None), the
+    region's graph, and the hardware the region was partitioned for."""
     config = NpuConfig.from_json(str(func.attrs[CONFIG_ATTR]))
     graph = region_graph(func, symbol)
-    macs = [g for g in graph.layers if isinstance(g.params, ConvParams)]
-    if len(macs) != 1 or not all(isinstance(g.params, (ConvParams, TransposeParams)) for g in graph.layers):
-        return None
-    (layer,) = macs
-    return mac_layer_of(layer.params, config, layer.name, list(layer.operands))
+    found = [g for g in graph.layers if isinstance(g.params, kind)]
+    if len(found) != 1 or not all(isinstance(g.params, (kind, TransposeParams)) for g in graph.layers):
+        return None, graph, config
+    return found[0], graph, config
 
 
 def mac_layer_of(params: ConvParams, config: NpuConfig, name: str = "mac", operands: list | None = None
@@ -129,3 +136,44 @@ def mac_layer_of(params: ConvParams, config: NpuConfig, name: str = "mac", opera
     whole = program.command(name, 0, g.out_height, 0, g.out_channels,
                             [Operand(0, program.window(0, 0, g.out_height))], 0, [0, 0])
     return MacLayer(program.opcode, whole.payload, params, program.table, config)
+
+
+@dataclass(frozen=True)
+class ElementwiseLayer:
+    """A region that is one int8 ADD, SUB or MUL of two computed tensors of one shape, with at most the layout
+    transposes of an NCHW model around it: each output byte is the command's arithmetic on the two input bytes at
+    its place, so calibration reads the layer's outputs from the command's table of every input pair
+    (:func:`simulator.prepared.pair_table`) instead of lowering and simulating the region. The values are the
+    lowering's own: the record, and the command over the whole layer its row program writes."""
+
+    opcode: Opcode
+    payload: Elementwise
+    params: ElementwiseParams
+    config: NpuConfig
+
+
+def elementwise_layer(func: relax.Function, symbol: str) -> ElementwiseLayer | None:
+    """The region as an :class:`ElementwiseLayer` when it is one, its operands the region's two inputs in their
+    order (the table is read with the first operand's byte major; a subtraction's operands do not commute, and
+    two inputs of one scale would not tell a swap in the record); None otherwise."""
+    layer, graph, config = _single_layer(func, symbol, ElementwiseParams)
+    if layer is None or tuple(layer.operands) != tuple(graph.inputs):
+        return None
+    return elementwise_layer_of(layer.params, config, layer.name, list(layer.operands))
+
+
+def elementwise_layer_of(params: ElementwiseParams, config: NpuConfig, name: str = "elementwise",
+                         operands: list | None = None) -> ElementwiseLayer | None:
+    """:func:`elementwise_layer` of a record alone (``operands``: the region's tensors; by default two computed
+    ones), as :func:`mac_layer_of` for a MAC layer: its legality check and row program, and the whole layer's
+    command (None where the lowering would use another program: a constant or broadcast operand)."""
+    reason, _, prepared = check(op_def(params.op), params, config)
+    if reason is not None:
+        return None
+    program = row_program(params, prepared, ["input", "input2"] if operands is None else operands)
+    if not isinstance(program, ElementwiseProgram):
+        return None
+    height = program.out.height
+    whole = program.command(name, 0, height, 0, program.out.channels,
+                            [Operand(0, program.window(k, 0, height)) for k in range(2)], 0, [])
+    return ElementwiseLayer(program.opcode, whole.payload, params, config)

@@ -40,8 +40,8 @@ from .batched_float import ChannelTotals, HostObservation
 from .integer_sums import IntegerObservation, IntegerSums, exact_bound
 from . import batched_float, buffers, headroom, kernels, reconstruct, storage
 from .parallel import TVM_LOCK, Deferred, run_all
-from .predicted import Builder, Mispredicted, PredictedLayer, predict
-from .steps import (Centred, FloatLayers, LayerSpec, NpuLayer, ReferencePass, built_mac_layers, centre_host,
+from .predicted import Builder, Mispredicted, PredictedLayer, predict, predict_elementwise
+from .steps import (Centred, FloatLayers, LayerSpec, NpuLayer, ReferencePass, built_records, centre_host,
                     dequantize_host, quantize_host)
 
 FIXED_OUTPUTS = {"sigmoid": LOGISTIC_OUTPUT, "tanh": TANH_OUTPUT, "softmax": SOFTMAX_OUTPUT}
@@ -411,6 +411,9 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
         warnings.warn(NpuWarning(f"calibration: {error}; calibrating again with every layer built (slower; "
                                  "please report the model)"), stacklevel=2)
         ctx.predicting = False
+        for index, npu in list(ctx.npu_cache.items()):  # even verified ones: every layer built, as the warning says
+            if isinstance(npu, PredictedLayer):
+                del ctx.npu_cache[index]
         for name, value in before.items():
             setattr(plan, name, value)
         return _walk_once(ctx, plan, samples, calibrating, progress, reference)
@@ -419,7 +422,7 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
 def _walk_once(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress, reference: bool):
     """:func:`walk`, its MAC layers' records predicted (:mod:`.predicted`) while ``ctx.predicting``."""
     later = Deferred()  # each layer's SQNR and output summary, read when the walk ends
-    builder = Builder(functools.partial(built_mac_layers, source=ctx.source, config=ctx.npu)) if ctx.predicting \
+    builder = Builder(functools.partial(built_records, source=ctx.source, config=ctx.npu)) if ctx.predicting \
         else None
     try:
         return _walk(ctx, plan, samples, calibrating, progress, reference, later, builder)
@@ -616,6 +619,11 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
                 sums = _integer_sums(ctx, layer, wq, centred)
             if sums is not None and sums.exact_with(wq.bias):
                 npu = builder.submit(layer.name, mac, wq, spec, build)
+        elif builder is not None and ctx.float.plans[layer.index] is None:
+            # an add's, subtract's or multiply's outputs from its predicted command's table of input pairs
+            record = predict_elementwise(layer, inputs_q, output_q, ctx.source, ctx.npu)
+            if record is not None:
+                npu = builder.submit(layer.name, record, None, spec, build)
         if npu is None:
             with TVM_LOCK:
                 npu = build()

@@ -430,11 +430,12 @@ def _emit_quantized(bb: relax.BlockBuilder, spec: LayerSpec, params: list[relax.
     return quantize(emit_layer(bb, layer, spec.folded, ops), spec.output)
 
 
-def built_mac_layers(specs: list[LayerSpec], source: str, config: NpuConfig) -> list:
-    """The :class:`npu_backend.codegen.lower.MacLayer` each layer's build gives (None where the layer is not one
-    NPU region of its inputs, or not one MAC layer), the layers built as one module (:func:`layer_module`): what
-    :class:`NpuLayer` finds of each alone (its ``mac``), one ``partition_for_npu`` for them all."""
-    from ..codegen.lower import mac_layer
+def built_records(specs: list[LayerSpec], source: str, config: NpuConfig) -> list:
+    """The record each layer's build gives: its :class:`npu_backend.codegen.lower.MacLayer`, or its
+    :class:`npu_backend.codegen.lower.ElementwiseLayer` (None where the layer is not one NPU region of its inputs,
+    or neither), the layers built as one module (:func:`layer_module`): what :class:`NpuLayer` finds of each alone,
+    one ``partition_for_npu`` for them all."""
+    from ..codegen.lower import elementwise_layer, mac_layer
     from ..partition import partition_for_npu
 
     mod, params = layer_module(specs, source)
@@ -447,7 +448,8 @@ def built_mac_layers(specs: list[LayerSpec], source: str, config: NpuConfig) -> 
     else:
         outputs = [result]
     regions = _whole_regions(partitioned, outputs, params) if outputs else [None] * len(specs)
-    return [None if found is None else mac_layer(found[1], found[0]) for found in regions]
+    return [None if found is None else mac_layer(found[1], found[0]) or elementwise_layer(found[1], found[0])
+            for found in regions]
 
 
 def _whole_regions(partitioned: tvm.IRModule, outputs: list, params: list[list[relax.Var]]) -> list:
