@@ -96,19 +96,21 @@ def test_a_difference_names_the_first_field_that_differs():
     assert difference(dataclasses.replace(mac, table=table), mac).startswith("table:")
 
 
+def _output_zero_point_one_off(predict):
+    """``predict`` whose records have their output zero point one off: a rule the prediction got wrong."""
+    def wrong(*args):
+        record = predict(*args)
+        if record is None:
+            return None
+        params = record.params
+        return dataclasses.replace(record, params=dataclasses.replace(params,
+                                                                      output_zero_point=params.output_zero_point + 1))
+    return wrong
+
+
 def test_a_refuted_prediction_calibrates_again_with_every_layer_built(monkeypatch):
     expected = _summary(_calibrate())
-    real = calibrate_module.predict
-
-    def wrong(*args):
-        mac = real(*args)
-        if mac is None:
-            return None
-        params = mac.params
-        return dataclasses.replace(mac, params=dataclasses.replace(params, output_zero_point=params.output_zero_point
-                                                                   + 1))
-
-    monkeypatch.setattr(calibrate_module, "predict", wrong)
+    monkeypatch.setattr(calibrate_module, "predict", _output_zero_point_one_off(calibrate_module.predict))
     with pytest.warns(NpuWarning, match="differs from calibration's prediction .*params.output_zero_point.*again"):
         refuted = calibrate(float_cnn(), CALIBRATION)
     assert not refuted._ctx.predicting
@@ -125,16 +127,8 @@ def test_a_refuted_elementwise_prediction_calibrates_again(monkeypatch):
     """An add's predicted record that its build does not give (here its output zero point, one off) is caught
     beside the walk, and calibration walks again with the add built: the same model as without predictions."""
     expected = _summary(_calibrate())
-    real = calibrate_module.predict_elementwise
-
-    def wrong(*args):
-        record = real(*args)
-        if record is None:
-            return None
-        params = dataclasses.replace(record.params, output_zero_point=record.params.output_zero_point + 1)
-        return dataclasses.replace(record, params=params)
-
-    monkeypatch.setattr(calibrate_module, "predict_elementwise", wrong)
+    monkeypatch.setattr(calibrate_module, "predict_elementwise",
+                        _output_zero_point_one_off(calibrate_module.predict_elementwise))
     with pytest.warns(NpuWarning, match="layer add_.* differs from calibration's prediction .*params.output_zero_point"):
         refuted = calibrate(float_cnn(), CALIBRATION)
     assert not refuted._ctx.predicting

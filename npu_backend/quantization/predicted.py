@@ -69,12 +69,9 @@ def predict(layer, plan, input_q, output_q, weights, source: str, config) -> Mac
         if (str(attrs.data_layout), str(attrs.kernel_layout), str(attrs.out_layout)) not in (
                 CONV_LAYOUTS[op], CONVERTED_CONV_LAYOUTS):
             return None  # a kernel layout the composite does not take: the layer stays on the host
-    clamp = (-128, 127)
-    if layer.clamp is not None:
-        bounds = quantized_activation(*layer.clamp, output_q.scale, output_q.zero_point)
-        if bounds is None:
-            return None
-        clamp = integer_clamp(*bounds)
+    clamp = _int8_clamp(layer, output_q)
+    if clamp is None:
+        return None
     channels = weights.weight.shape[weights.axis]
     per_channel = int(np.size(weights.scales)) > 1
     bias = (np.zeros(channels, np.int32) if weights.bias is None
@@ -115,18 +112,24 @@ def predict_elementwise(layer, inputs_q, output_q, source: str, config) -> Eleme
     shapes = {tuple(int(d) for d in v.ty.shape.values) for v in (*layer.inputs, layer.output)}
     if len(shapes) != 1:
         return None
-    clamp = (-128, 127)
-    if layer.clamp is not None:
-        bounds = quantized_activation(*layer.clamp, output_q.scale, output_q.zero_point)
-        if bounds is None:
-            return None
-        clamp = integer_clamp(*bounds)
+    clamp = _int8_clamp(layer, output_q)
+    if clamp is None:
+        return None
     (first, second) = inputs_q
     params = ElementwiseParams(op=op, shape=shapes.pop(), input_scale=float(np.float32(first.scale)),
                                input_zero_point=int(first.zero_point), input2_scale=float(np.float32(second.scale)),
                                input2_zero_point=int(second.zero_point), output_scale=float(np.float32(output_q.scale)),
                                output_zero_point=int(output_q.zero_point), clamp=clamp)
     return elementwise_layer_of(follow_reference(params, REFERENCE_OF_SOURCE[source]), config)
+
+
+def _int8_clamp(layer, output_q) -> tuple[int, int] | None:
+    """The int8 clamp the build gives the layer's float clamp (none: the whole int8 range) on its output's
+    qparams, by the compiler's rules; None where the canonical form leaves the clamp in float."""
+    if layer.clamp is None:
+        return (-128, 127)
+    bounds = quantized_activation(*layer.clamp, output_q.scale, output_q.zero_point)
+    return None if bounds is None else integer_clamp(*bounds)
 
 
 def difference(predicted: MacLayer | ElementwiseLayer, built) -> str | None:
