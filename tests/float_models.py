@@ -82,3 +82,28 @@ def float_conv_block(rng, layout: str, kernel_layout: str, groups: int, shape, o
             result = bb.emit_output(y)
         bb.emit_func_output(result)
     return bb.get()
+
+
+def float_two_branches(rng, kind: str, layout: str, clamp=None) -> tvm.IRModule:
+    """Two convolutions of one input, of different weight scales (so their outputs' scales differ), into an add,
+    subtract or multiply (``kind``), clamped (``clamp``: (low, high)) or not, then a pointwise convolution."""
+    nhwc = layout == "NHWC"
+    shape, kernel_layout = ((1, 8, 8, 2), "HWIO") if nhwc else ((1, 2, 8, 8), "OIHW")
+    x = relax.Var("x", relax.TensorType(shape, "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            branches = []
+            for scale in (0.3, 1.5):
+                weight = _const(rng, (3, 3, 2, 4) if nhwc else (4, 2, 3, 3), scale)
+                y = bb.emit(relax.op.nn.conv2d(x, weight, padding=[1, 1, 1, 1], data_layout=layout,
+                                               kernel_layout=kernel_layout))
+                branches.append(bb.emit(relax.op.add(y, _const(rng, (4,) if nhwc else (1, 4, 1, 1), scale / 3))))
+            y = bb.emit(getattr(relax.op, kind)(*branches))
+            if clamp is not None:
+                y = bb.emit(relax.op.nn.relu(y) if clamp[1] == float("inf") else relax.op.clip(y, *clamp))
+            out = bb.emit_output(bb.emit(relax.op.nn.conv2d(
+                y, _const(rng, (1, 1, 4, 3) if nhwc else (3, 4, 1, 1)), data_layout=layout,
+                kernel_layout=kernel_layout)))
+        bb.emit_func_output(out)
+    return bb.get()

@@ -124,13 +124,14 @@ def test_the_int8_product_kernel_forms_the_same_sums(name, monkeypatch):
     """A row-wise layer whose weights the int8 product takes forms its sums with it (kept and formed again), the
     same sums as the float32 product of the centred input, statistics, totals and NPU outputs alike."""
     layer, x, wq, npu, plan, centred = _npu_layer(name, CONFIGS["tflite"])
-    monkeypatch.setattr(batched_float, "BLOCK_ELEMENTS", 41)  # many blocks, rows left over by the register tile
+    monkeypatch.setattr(batched_float, "BLOCK_ELEMENTS", 250)  # blocks of 5-7 rows: a register tile and rows left
     used = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
     assert used._packed is not None
     monkeypatch.setattr(integer_sums, "formed_again", lambda *args: True)
     again = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
-    monkeypatch.setattr(kernels, "_vnni", lambda: False)
-    blas = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
+    with pytest.MonkeyPatch.context() as no_vnni:  # these sums alone by the float32 product, read after too
+        no_vnni.setattr(kernels, "_vnni", lambda: False)
+        blas = IntegerSums(layer, plan, centred.values, wq.weight, 3, centred.largest)
     assert again._packed is not None and blas._packed is None
     for sums in (used, again):
         assert sums.sums.tobytes() == blas.sums.tobytes()

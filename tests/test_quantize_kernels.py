@@ -395,6 +395,10 @@ def test_int8_matmul_at_the_extremes():
         out = np.empty((6, channels), np.float32)
         kernels.int8_matmul(x, kernels.int8_weights(w, zero_point), out)
         assert (out == depth * (x_value - zero_point) * w_value).all()
+    wide = np.zeros((6, 2 * channels), np.float32)
+    with pytest.raises(ValueError, match="contiguous"):  # a view that reshaping would copy: never written
+        kernels.int8_matmul(x, kernels.int8_weights(w, zero_point), wide[:, :channels])
+    assert not wide.any()
 
 
 def test_int8_weights_only_where_the_kernel_takes_them(monkeypatch):

@@ -375,13 +375,14 @@ def _blocks_of_rows(x: np.ndarray, matrix: np.ndarray, zero_point: int, dest: np
     step = max(1, BLOCK_ELEMENTS // matrix.shape[1])
     rows_out = (dest.reshape(-1, dest.shape[-1]) if dest is not None
                 else np.empty((min(step, len(rows_in)), matrix.shape[1]), np.float32))
-    centring = x.dtype != np.float32 and packed is None
+    by_kernel = packed is not None and x.dtype == np.int8
+    centring = x.dtype != np.float32 and not by_kernel
     centred = np.empty((min(step, len(rows_in)), rows_in.shape[1]), np.float32) if centring else None
     for start in range(0, len(rows_in), step):
         rows = slice(start, min(start + step, len(rows_in)))
         block = rows_in[rows]
         out = rows_out[rows] if dest is not None else rows_out[:len(block)]
-        if packed is not None and x.dtype == np.int8:
+        if by_kernel:
             kernels.int8_matmul(block, packed, out)
             yield out, rows
             continue

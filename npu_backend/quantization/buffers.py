@@ -79,7 +79,8 @@ def _fresh(nbytes: int) -> np.ndarray:
     if not hasattr(mmap, "MADV_NOHUGEPAGE"):
         return np.empty(nbytes, np.uint8)
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    with contextlib.suppress(OSError):  # a kernel without transparent huge pages refuses the advice: none needed
+        mapping.madvise(mmap.MADV_NOHUGEPAGE)
     return np.frombuffer(mapping, np.uint8)
 
 

@@ -173,8 +173,8 @@ class Context:
                 self.last_use[v] = layer.index
         self.npu_cache: dict = {}
         self.predicting = True
-        """MAC layers' records are predicted and their builds checked beside the walk (:mod:`.predicted`); off
-        once a prediction was refuted."""
+        """MAC and elementwise layers' records are predicted and their builds checked beside the walk
+        (:mod:`.predicted`); off once a prediction was refuted."""
         self._kept = None
 
     @property
@@ -420,7 +420,8 @@ def walk(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, prog
 
 
 def _walk_once(ctx: Context, plan: Plan, samples: list[tuple], calibrating: bool, progress, reference: bool):
-    """:func:`walk`, its MAC layers' records predicted (:mod:`.predicted`) while ``ctx.predicting``."""
+    """:func:`walk`, its MAC and elementwise layers' records predicted (:mod:`.predicted`) while
+    ``ctx.predicting``."""
     later = Deferred()  # each layer's SQNR and output summary, read when the walk ends
     builder = Builder(functools.partial(built_records, source=ctx.source, config=ctx.npu)) if ctx.predicting \
         else None

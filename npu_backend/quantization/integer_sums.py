@@ -11,7 +11,8 @@ The NPU's MAC array sums ``(x - zp) * w`` exactly; the bias, the register's widt
 
 All three are read from one array of sums (formed again at each read instead, where it is large and each sum takes
 few products: :func:`formed_again`), formed by the float32 plan of :mod:`.batched_float` on the centred
-int8 input and the int8 weights, channels last whatever the model's layout (the output stage broadcasts its
+int8 input and the int8 weights (a pointwise or dense layer's by :func:`.kernels.int8_matmul` where the CPU has
+VNNI: the same exact values), channels last whatever the model's layout (the output stage broadcasts its
 per-channel words along the last axis; an NCHW model's int8 input and output are transposed instead, a byte
 each). Every product and partial sum is an integer, so the float32 sums are exact while
 ``max|x - zp| * max_oc sum|w| + max|bias|`` stays below 2**24 (the argument of :mod:`simulator.macs`), which

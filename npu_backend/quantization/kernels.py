@@ -254,7 +254,8 @@ class Int8Weights:
 def int8_weights(matrix: np.ndarray, zero_point: int) -> Int8Weights | None:
     """``matrix [K, N]`` (float32 or integer, holding int8 values) packed for :func:`int8_matmul` of an input
     centred by ``zero_point``; None where the kernel does not take it: a machine without VNNI
-    (:func:`_vnni`), ``K`` not a multiple of 4 or ``N`` of 16, a value that is not an int8 integer."""
+    (:func:`_vnni`), ``K`` not a multiple of 4 or ``N`` of 16, ``K`` of 2**16 or more (an int32 accumulator of
+    ``(x + 128) * w`` could then overflow), a value that is not an int8 integer."""
     depth, channels = matrix.shape
     if not (_vnni() and depth and depth % 4 == 0 and channels and channels % 16 == 0 and depth < 1 << 16):
         return None  # below 2**16 inputs, no int32 accumulator of (x + 128) * w can overflow
@@ -274,6 +275,10 @@ def int8_matmul(x: np.ndarray, weights: Int8Weights, out: np.ndarray) -> None:
     into float32 ``out [R, N]``; both contiguous. Summed exactly in int32 (``(x + 128) * w`` by AVX-512 VNNI's
     byte dot products, then less the correction), so the float32 results are those of the float32 product of
     the centred input wherever every sum is below 2**24 (the integer sums' bound, :mod:`.integer_sums`)."""
+    if not _vnni():
+        raise RuntimeError("the int8 product needs AVX-512 VNNI, which this CPU lacks (see int8_weights)")
+    if not (x.flags.c_contiguous and _dlpack_ready(out)):
+        raise ValueError("the int8 product takes contiguous inputs and writes a contiguous, writeable output")
     rows = x.reshape(-1, weights.depth)
     scratch = np.empty((MATMUL_ROWS, MATMUL_BLOCKS, 16), np.int32)
     _run("int8_matmul", _int8_matmul_func, (rows, weights.packed, weights.correction,

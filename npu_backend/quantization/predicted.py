@@ -1,4 +1,5 @@
-"""A MAC layer's NPU record, predicted from calibration's own decisions and checked against the layer's build.
+"""A MAC or elementwise layer's NPU record, predicted from calibration's own decisions and checked against the
+layer's build.
 
 Of a convolution or matmul layer's NPU module, calibration reads only its
 :class:`npu_backend.codegen.lower.MacLayer` (the record, its scale/bias table and its whole-layer command): the
@@ -35,10 +36,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from simulator.isa import Opcode
-
-from ..canonicalize import quantized_activation
 from simulator.prepared import lookup_pairs, pair_table
 
+from ..canonicalize import quantized_activation
 from ..codegen.lower import ElementwiseLayer, MacLayer, elementwise_layer_of, mac_layer_of
 from ..layout import CONVERTED_CONV_LAYOUTS
 from ..ops import OPS
@@ -160,12 +160,12 @@ class Mispredicted(Exception):
 
 
 class PredictedLayer:
-    """A MAC layer's stand-in for its :class:`.steps.NpuLayer`: its predicted :class:`MacLayer` (checked by the
-    :class:`Builder`), and the layer itself built when anything else is asked of it (a sample the sums cannot take
-    exactly runs through its stream)."""
+    """A predicted layer's stand-in for its :class:`.steps.NpuLayer`: its predicted :class:`MacLayer` (None for
+    an elementwise layer, :class:`PredictedElementwise`) checked by the :class:`Builder`, and the layer itself
+    built when anything else is asked of it (a sample the sums cannot take exactly runs through its stream)."""
 
     on_npu = True
-    """A MAC layer whose record checks and lowers to a MAC command (and whose build is compared): on the NPU."""
+    """A layer whose record checks and lowers to one NPU command (and whose build is compared): on the NPU."""
 
     def __init__(self, mac: MacLayer, weights, build, check: Future):
         self.mac, self.weights, self._build, self._check = mac, weights, build, check
@@ -221,21 +221,23 @@ class Builder:
     The layers waiting are built together, as one module (:func:`.steps.built_records`): one
     ``partition_for_npu`` call for several layers costs about half as much as one per layer, and the thread shares
     the cores with calibration's own. A batch holds TVM (:data:`.parallel.TVM_LOCK`), which the walk needs to build
-    a layer that is not predicted (an add, a mean), and the GIL for much of its time, so batches start when the walk
+    a layer that is not predicted (a mean, a pool), and the GIL for much of its time, so batches start when the walk
     begins a MAC layer with half a :data:`BATCH` waiting (:meth:`flush`: its matrix products run without the GIL),
     or once :data:`BATCH` layers wait. On a MobileNetV2 the walk then waited 0.4 s in all for TVM, where batches of
     16 started whenever they filled had held it up 0.8 s; batches started right after the walk's own builds held it
     up 0-0.02 s, but slowed the adds' simulation (Python, beside the builds' Python) by more, and one batch after
     the walk left it a serial tail; on wall time the three were within the machine's noise (median 7.7 s each over
-    5 alternating rounds), this one the least CPU. :meth:`finish` waits for every check and raises
-    :class:`Mispredicted` on the first difference."""
+    5 alternating rounds), this one the least CPU (measured before the adds were predicted too, when each add was
+    built on the walk). :meth:`finish` waits for every check and raises :class:`Mispredicted` on the first
+    difference."""
 
     BATCH = 16
     """Layers built together."""
 
-    def __init__(self, build_macs):
-        """``build_macs(specs)``: the built :class:`MacLayer` (or None) of each :class:`.steps.LayerSpec`."""
-        self._build_macs = build_macs
+    def __init__(self, build_records):
+        """``build_records(specs)``: the built record (:class:`MacLayer`, :class:`ElementwiseLayer` or None) of each
+        :class:`.steps.LayerSpec`."""
+        self._build_records = build_records
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="npu-quantize-build")
         self._waiting: list = []  # (spec, prediction, its check's future), in the walk's order
         self._lock = threading.Lock()
@@ -269,7 +271,7 @@ class Builder:
             return  # taken by an earlier drain
         try:
             with TVM_LOCK:
-                built = self._build_macs([spec for spec, _, _ in batch])
+                built = self._build_records([spec for spec, _, _ in batch])
         except Exception as error:  # noqa: BLE001 - the layers built one by one on the walk will say what it is
             for _, _, check in batch:
                 check.set_result(f"their build together failed: {error}")
