@@ -347,3 +347,29 @@ def test_calibrating_an_nchw_model_lowers_no_mac_region(monkeypatch):
     simulated = result.simulate(test)
     assert len(read) == 2 and not built  # the simulation reads the same way
     assert all(np.isfinite(s[0]).all() for s in simulated)
+
+
+def test_the_int8_range_bounds_the_sums_and_the_input_is_read_only_when_a_bias_needs_it(monkeypatch):
+    """A layer's sums are bounded first by the int8 range's largest |x - zp| (no pass over the input); where a
+    bias would not fit under that bound, the input's own largest is read, once, and may let it fit: the sums are
+    then still read exactly, never simulated for want of a tighter bound."""
+    layer, folded, _ = _layer_and_inputs("pointwise NCHW")
+    plan = plan_weighted(layer)
+    x = RNG.integers(-7, 14, (4, *[int(d) for d in layer.inputs[0].ty.shape.values])).astype(np.int8)
+    centred = centre_host(x, 3, plan.channels_first)
+    assert centred.most == 131 and "largest" not in centred.__dict__  # 3 - (-128); nothing read yet
+    weight = np.full(layer.weight.shape, 127, np.int8)  # 16 inputs: sums of magnitude up to 16 * 127 * |x - zp|
+    bias = np.full(24, 2 ** 24 - 40_000, np.int64)  # fits beside 10 * 2032, not beside 131 * 2032
+    reads = []
+
+    def exact_largest():
+        reads.append(1)
+        return centred.largest
+
+    sums = IntegerSums(layer, plan, centred.values, weight, 3, centred.most, exact_largest=exact_largest)
+    assert sums.exact_with(None) and not reads  # the int8 range's bound suffices: the input is not read
+    assert sums.exact_with(bias) and reads == [1] and centred.largest == 10
+    assert sums.exact_with(bias) and reads == [1]  # the tight bound is kept
+    loose = IntegerSums(layer, plan, centred.values, weight, 3, centred.most)
+    assert not loose.exact_with(bias)  # without the input's own largest the bias would not fit
+    assert sums.sums.tobytes() == loose.sums.tobytes()  # the bound chooses paths, never values

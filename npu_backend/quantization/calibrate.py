@@ -670,11 +670,13 @@ def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred, total
     if plan is None or wq is None:
         return None
     x = centred(layer.inputs[0], plan.channels_first and layer.inputs[0] not in ctx.kept)
-    if exact_bound(x.largest, wq.weight, layer.weight_axis, None) >= FLOAT32_EXACT:
+    # the int8 range bounds most layers' sums well below 2**24 with their bias: the input is then never scanned
+    largest = x.most if exact_bound(x.most, wq.weight, layer.weight_axis, wq.bias) < FLOAT32_EXACT else x.largest
+    if exact_bound(largest, wq.weight, layer.weight_axis, None) >= FLOAT32_EXACT:
         return None
-    return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, x.largest,
+    return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, largest,
                        model_layout=plan.channels_first and layer.output not in ctx.kept,
-                       totals=totalled > 0, total_samples=totalled)
+                       totals=totalled > 0, total_samples=totalled, exact_largest=lambda: x.largest)
 
 
 def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, centred, records: list,

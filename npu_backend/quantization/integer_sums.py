@@ -87,9 +87,11 @@ class IntegerSums:
 
     def __init__(self, layer: Layer, plan: WeightedPlan, centred: np.ndarray, weight: np.ndarray,
                  input_zero_point: int, largest_input: int, model_layout: bool | None = None, totals: bool = True,
-                 total_samples: int | None = None):
+                 total_samples: int | None = None, exact_largest=None):
+        """``largest_input``: a bound on ``|x - input_zero_point|`` (the input's own largest, or the int8 range's);
+        ``exact_largest()``, if given, the input's own, read when a bias would not fit under the first bound."""
         self.layer, self.plan, self.weight = layer, plan, weight
-        self.input_zero_point, self.largest_input = input_zero_point, largest_input
+        self.input_zero_point, self._exact_largest = input_zero_point, exact_largest
         self.model_layout = plan.channels_first if model_layout is None else model_layout
         """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
         channels last, :mod:`.storage`)."""
@@ -138,6 +140,9 @@ class IntegerSums:
 
     def exact_with(self, bias: np.ndarray | None) -> bool:
         largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
+        if self.bound + largest_bias >= FLOAT32_EXACT and self._exact_largest is not None:
+            self.bound = exact_bound(self._exact_largest(), self.weight, self.layer.weight_axis, None)
+            self._exact_largest = None  # the tightest bound there is
         return self.bound + largest_bias < FLOAT32_EXACT
 
     def channel_extremes(self) -> tuple[np.ndarray, np.ndarray]:
