@@ -9,9 +9,9 @@ calibration inputs:
     ``CalibrationDataReader``; it reads the model file and writes the quantized one;
   - ours: ``npu_backend.load_model`` (TVM's ONNX importer) then ``npu_backend.quantize`` with the default
     ``QConfig``, every layer calibrated on the simulated NPU's own integers (a convolution's or matmul's from its
-    exact integer sums and the simulator's output stage, :mod:`npu_backend.quantization.integer_sums`; the other
-    layers' from their lowered streams), the float model run beside it on the first 16 samples
-    (``QConfig.reference_samples``) for bias correction and the report's SQNR;
+    exact integer sums and the simulator's output stage, :mod:`npu_backend.quantization.integer_sums`; an add's
+    from its command's table of input pairs; the other layers' from their lowered streams), the float model run
+    beside it on the first 16 samples (``QConfig.reference_samples``) for bias correction and the report's SQNR;
   - ours doing quantize_static's work: ``QConfig(float_reference=False, bias_correction=False)``, the quantized
     model's integers alone (no float pass, no SQNR).
 

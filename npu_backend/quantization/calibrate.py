@@ -37,7 +37,7 @@ from .observers import (Batches, RangeRequest, TensorStats, activation_qparams, 
                         int8_summary, quantize_weights)
 from .rewrite import TensorQ, WeightQ
 from .batched_float import ChannelTotals, HostObservation
-from .integer_sums import IntegerObservation, IntegerSums, exact_bound
+from .integer_sums import IntegerObservation, IntegerSums, largest_bias, weight_magnitude
 from . import batched_float, buffers, headroom, kernels, reconstruct, storage
 from .parallel import TVM_LOCK, Deferred, run_all
 from .predicted import Builder, Mispredicted, PredictedLayer, predict, predict_elementwise
@@ -671,8 +671,9 @@ def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred, total
         return None
     x = centred(layer.inputs[0], plan.channels_first and layer.inputs[0] not in ctx.kept)
     # the int8 range bounds most layers' sums well below 2**24 with their bias: the input is then never scanned
-    largest = x.most if exact_bound(x.most, wq.weight, layer.weight_axis, wq.bias) < FLOAT32_EXACT else x.largest
-    if exact_bound(largest, wq.weight, layer.weight_axis, None) >= FLOAT32_EXACT:
+    magnitude = weight_magnitude(wq.weight, layer.weight_axis)  # exact_bound's, once
+    largest = x.most if x.most * magnitude + largest_bias(wq.bias) < FLOAT32_EXACT else x.largest
+    if largest * magnitude >= FLOAT32_EXACT:
         return None
     return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, largest,
                        model_layout=plan.channels_first and layer.output not in ctx.kept,

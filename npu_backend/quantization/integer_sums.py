@@ -71,12 +71,20 @@ def formed_again(plan: WeightedPlan, shape: tuple[int, ...], in_channels: int) -
     return math.prod(shape) * 4 >= FORMED_AGAIN_BYTES and products <= FORMED_AGAIN_PRODUCTS
 
 
+def weight_magnitude(weight: np.ndarray, axis: int) -> int:
+    """``max_oc sum|w_oc|`` of an integer weight whose output channels are along ``axis``."""
+    rows = np.moveaxis(np.asarray(weight), axis, 0).reshape(weight.shape[axis], -1)
+    return int(np.abs(rows.astype(np.int64)).sum(axis=1).max(initial=0))
+
+
+def largest_bias(bias: np.ndarray | None) -> int:
+    return 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
+
+
 def exact_bound(largest_input: int, weight: np.ndarray, axis: int, bias: np.ndarray | None) -> int:
     """``largest_input * max_oc sum|w_oc| + max|bias|``: no partial sum of a layer's accumulator (with that bias)
     exceeds it in magnitude (``largest_input`` = ``max|x - zp|`` over its int8 input)."""
-    per_channel = np.abs(np.moveaxis(weight, axis, 0).reshape(weight.shape[axis], -1).astype(np.int64)).sum(axis=1)
-    largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
-    return largest_input * int(per_channel.max(initial=0)) + largest_bias
+    return largest_input * weight_magnitude(weight, axis) + largest_bias(bias)
 
 
 class IntegerSums:
@@ -95,7 +103,8 @@ class IntegerSums:
         self.model_layout = plan.channels_first if model_layout is None else model_layout
         """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
         channels last, :mod:`.storage`)."""
-        self.bound = exact_bound(largest_input, weight, layer.weight_axis, None)
+        self._magnitude = weight_magnitude(weight, layer.weight_axis)
+        self.bound = largest_input * self._magnitude  # exact_bound's, with no bias
         self.total_samples = (len(centred) if total_samples is None else total_samples) if totals else 0
         """The leading samples whose totals :meth:`channel_totals` gives (bias correction compares them with the
         float model's, which may run on fewer samples than calibration: ``QConfig.reference_samples``); 0: none."""
@@ -139,11 +148,11 @@ class IntegerSums:
         yield from self._plan.int8_blocks(self._centred[part], self._weight32, self.input_zero_point, self._packed)
 
     def exact_with(self, bias: np.ndarray | None) -> bool:
-        largest_bias = 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
-        if self.bound + largest_bias >= FLOAT32_EXACT and self._exact_largest is not None:
-            self.bound = exact_bound(self._exact_largest(), self.weight, self.layer.weight_axis, None)
+        most_bias = largest_bias(bias)
+        if self.bound + most_bias >= FLOAT32_EXACT and self._exact_largest is not None:
+            self.bound = self._exact_largest() * self._magnitude
             self._exact_largest = None  # the tightest bound there is
-        return self.bound + largest_bias < FLOAT32_EXACT
+        return self.bound + most_bias < FLOAT32_EXACT
 
     def channel_extremes(self) -> tuple[np.ndarray, np.ndarray]:
         """(min, max) of the sums per output channel, float64 integers."""
