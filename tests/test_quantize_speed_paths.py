@@ -498,3 +498,21 @@ def test_run_all_on_a_stage_survives_the_thread_count_changing_on_another_thread
         stop.set()
         thread.join(10)
     assert not thread.is_alive() and errors == []
+
+
+def test_a_batch_given_whole_is_read_in_place_and_any_other_stacked():
+    """Calibration data given as one batch is walked where it lies (no copy of the batch); samples from separate
+    arrays, or not one after the other, are stacked; either way the walk gets the same values, read-only."""
+    from npu_backend.quantization import calibration_samples
+    from npu_backend.quantization.calibrate import batch_of
+
+    batch = np.random.default_rng(0).normal(0, 1, (5, 1, 3, 4, 4)).astype(np.float32)[:, 0]
+    param = relax.Var("x", relax.TensorType((1, 3, 4, 4), "float32"))
+    whole = batch_of([s[0] for s in calibration_samples(batch, [param])])
+    assert np.shares_memory(whole, batch) and not whole.flags.writeable
+    np.testing.assert_array_equal(whole, batch[:, None])  # samples [1, 3, 4, 4], as np.stack gives them
+    for samples in ([batch[k:k + 1].copy() for k in range(5)], [batch[k:k + 1] for k in (0, 2, 4)],
+                    [batch[k:k + 1] for k in (1, 0)]):
+        stacked = batch_of(samples)
+        assert not np.shares_memory(stacked, batch) and not stacked.flags.writeable
+        np.testing.assert_array_equal(stacked, np.stack(samples))

@@ -36,7 +36,7 @@ def _split(array, shape: tuple[int, ...], name: str) -> list[np.ndarray]:
     array = np.asarray(array)
     if array.dtype.kind not in "fiu":
         raise NpuError(f"calibration input {name} is not numeric ({array.dtype})")
-    array = array.astype(np.float32)
+    array = array.astype(np.float32, copy=False)  # read, never written: a float32 batch is not copied
     if array.shape == shape:
         return [array]
     if shape and shape[0] == 1 and array.shape[1:] == shape[1:]:
