@@ -31,12 +31,13 @@ def _shape(param) -> tuple[int, ...]:
     return tuple(int(d) for d in param.ty.shape.values)
 
 
-def _split(array, shape: tuple[int, ...], name: str) -> list[np.ndarray]:
-    """One input's values as samples of ``shape``: the array itself, or a batch of them on axis 0."""
+def _split(array, shape: tuple[int, ...], name: str, copy: bool = True) -> list[np.ndarray]:
+    """One input's values as samples of ``shape``: the array itself, or a batch of them on axis 0; copied unless
+    ``copy`` is False (the caller's own array, given whole: a float32 batch is then read where it lies)."""
     array = np.asarray(array)
     if array.dtype.kind not in "fiu":
         raise NpuError(f"calibration input {name} is not numeric ({array.dtype})")
-    array = array.astype(np.float32, copy=False)  # read, never written: a float32 batch is not copied
+    array = array.astype(np.float32, copy=copy)
     if array.shape == shape:
         return [array]
     if shape and shape[0] == 1 and array.shape[1:] == shape[1:]:
@@ -55,26 +56,26 @@ def calibration_samples(calibration_data, params) -> list[tuple[np.ndarray, ...]
     names = [p.name for p in params]
     shapes = [_shape(p) for p in params]
 
-    def one(item) -> list[tuple]:
+    def one(item, copy: bool = True) -> list[tuple]:
         if isinstance(item, dict):
             missing = [n for n in names if n not in item]
             if missing:
                 raise NpuError(f"calibration sample lacks input(s) {', '.join(missing)} (the model takes "
                                f"{', '.join(names)})")
-            columns = [_split(item[n], s, n) for n, s in zip(names, shapes)]
+            columns = [_split(item[n], s, n, copy) for n, s in zip(names, shapes)]
         else:
             if len(names) != 1:
                 raise NpuError(f"the model takes {len(names)} inputs ({', '.join(names)}): give calibration "
                                "samples as dicts {input_name: array}")
-            columns = [_split(item, shapes[0], names[0])]
+            columns = [_split(item, shapes[0], names[0], copy)]
         if len({len(c) for c in columns}) != 1:
             raise NpuError("calibration inputs of one sample have different batch sizes")
         return list(zip(*columns))
 
     if isinstance(calibration_data, (np.ndarray, dict)):
-        samples = one(calibration_data)
+        samples = one(calibration_data, copy=False)  # read in place: calibration never writes it
     elif isinstance(calibration_data, Iterable):
-        samples = [s for item in calibration_data for s in one(item)]
+        samples = [s for item in calibration_data for s in one(item)]  # copied: a loader may refill one buffer
     else:
         raise NpuError(f"calibration data must be an array, a dict or an iterable of them, not "
                        f"{type(calibration_data).__name__}")

@@ -694,7 +694,8 @@ def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred, total
         return None
     return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, largest,
                        model_layout=plan.channels_first and layer.output not in ctx.kept,
-                       totals=totalled > 0, total_samples=totalled, exact_largest=lambda: x.largest)
+                       totals=totalled > 0, total_samples=totalled, exact_largest=lambda: x.largest,
+                       magnitude=magnitude)
 
 
 def _calibrate_layer(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, value, centred, records: list,

@@ -95,15 +95,16 @@ class IntegerSums:
 
     def __init__(self, layer: Layer, plan: WeightedPlan, centred: np.ndarray, weight: np.ndarray,
                  input_zero_point: int, largest_input: int, model_layout: bool | None = None, totals: bool = True,
-                 total_samples: int | None = None, exact_largest=None):
+                 total_samples: int | None = None, exact_largest=None, magnitude: int | None = None):
         """``largest_input``: a bound on ``|x - input_zero_point|`` (the input's own largest, or the int8 range's);
-        ``exact_largest()``, if given, the input's own, read when a bias would not fit under the first bound."""
+        ``exact_largest()``, if given, the input's own, read when a bias would not fit under the first bound;
+        ``magnitude``: :func:`weight_magnitude` of ``weight``, if the caller has it."""
         self.layer, self.plan, self.weight = layer, plan, weight
         self.input_zero_point, self._exact_largest = input_zero_point, exact_largest
         self.model_layout = plan.channels_first if model_layout is None else model_layout
         """The NPU's outputs are transposed back to the model's NCHW (not when calibration keeps the layer's output
         channels last, :mod:`.storage`)."""
-        self._magnitude = weight_magnitude(weight, layer.weight_axis)
+        self._magnitude = weight_magnitude(weight, layer.weight_axis) if magnitude is None else magnitude
         self.bound = largest_input * self._magnitude  # exact_bound's, with no bias
         self.total_samples = (len(centred) if total_samples is None else total_samples) if totals else 0
         """The leading samples whose totals :meth:`channel_totals` gives (bias correction compares them with the

@@ -373,6 +373,8 @@ class Centred:
     def most(self) -> int:
         """The largest ``|x - zero_point|`` any int8 ``x`` has: a bound on its layers' sums
         (:func:`.integer_sums.exact_bound`) without reading the values."""
+        if self.values.dtype != np.int8:
+            raise ValueError(f"the int8 range bounds int8 values, not {self.values.dtype}")
         return max(128 + self.zero_point, 127 - self.zero_point)
 
     @functools.cached_property
