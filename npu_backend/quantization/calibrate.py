@@ -37,7 +37,7 @@ from .observers import (Batches, RangeRequest, TensorStats, activation_qparams, 
                         int8_summary, quantize_weights)
 from .rewrite import TensorQ, WeightQ
 from .batched_float import ChannelTotals, HostObservation
-from .integer_sums import IntegerObservation, IntegerSums, largest_bias, weight_magnitude
+from .integer_sums import IntegerObservation, IntegerSums, weight_magnitude
 from . import batched_float, buffers, headroom, kernels, reconstruct, storage
 from .parallel import TVM_LOCK, Deferred, run_all
 from .predicted import Builder, Mispredicted, PredictedLayer, predict, predict_elementwise
@@ -637,7 +637,7 @@ def _run_quantized(ctx: Context, layer: Layer, plan: Plan, stats: LayerStats, qv
                 sums = _integer_sums(ctx, layer, wq, centred)
             if sums is not None and sums.exact_with(wq.bias):
                 npu = builder.submit(layer.name, mac, wq, spec, build)
-        elif builder is not None and ctx.float.plans[layer.index] is None:
+        elif builder is not None:
             # an add's, subtract's or multiply's outputs from its predicted command's table of input pairs
             record = predict_elementwise(layer, inputs_q, output_q, ctx.source, ctx.npu)
             if record is not None:
@@ -687,12 +687,12 @@ def _integer_sums(ctx: Context, layer: Layer, wq: WeightQ | None, centred, total
     if plan is None or wq is None:
         return None
     x = centred(layer.inputs[0], plan.channels_first and layer.inputs[0] not in ctx.kept)
-    # the int8 range bounds most layers' sums well below 2**24 with their bias: the input is then never scanned
+    # bounded by the int8 range first: the input is scanned for its own largest only where that bound is too wide
+    # (here with no bias; with a bias, IntegerSums.exact_with tightens it when asked)
     magnitude = weight_magnitude(wq.weight, layer.weight_axis)  # exact_bound's, once
-    largest = x.most if x.most * magnitude + largest_bias(wq.bias) < FLOAT32_EXACT else x.largest
-    if largest * magnitude >= FLOAT32_EXACT:
+    if x.most * magnitude >= FLOAT32_EXACT and x.largest * magnitude >= FLOAT32_EXACT:
         return None
-    return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, largest,
+    return IntegerSums(layer, plan, x.values, wq.weight, x.zero_point, x.most,
                        model_layout=plan.channels_first and layer.output not in ctx.kept,
                        totals=totalled > 0, total_samples=totalled, exact_largest=lambda: x.largest,
                        magnitude=magnitude)

@@ -77,14 +77,14 @@ def weight_magnitude(weight: np.ndarray, axis: int) -> int:
     return int(np.abs(rows.astype(np.int64)).sum(axis=1).max(initial=0))
 
 
-def largest_bias(bias: np.ndarray | None) -> int:
+def _largest_bias(bias: np.ndarray | None) -> int:
     return 0 if bias is None else int(np.abs(np.asarray(bias, np.int64)).max(initial=0))
 
 
 def exact_bound(largest_input: int, weight: np.ndarray, axis: int, bias: np.ndarray | None) -> int:
     """``largest_input * max_oc sum|w_oc| + max|bias|``: no partial sum of a layer's accumulator (with that bias)
     exceeds it in magnitude (``largest_input`` = ``max|x - zp|`` over its int8 input)."""
-    return largest_input * weight_magnitude(weight, axis) + largest_bias(bias)
+    return largest_input * weight_magnitude(weight, axis) + _largest_bias(bias)
 
 
 class IntegerSums:
@@ -149,7 +149,7 @@ class IntegerSums:
         yield from self._plan.int8_blocks(self._centred[part], self._weight32, self.input_zero_point, self._packed)
 
     def exact_with(self, bias: np.ndarray | None) -> bool:
-        most_bias = largest_bias(bias)
+        most_bias = _largest_bias(bias)
         if self.bound + most_bias >= FLOAT32_EXACT and self._exact_largest is not None:
             self.bound = self._exact_largest() * self._magnitude
             self._exact_largest = None  # the tightest bound there is

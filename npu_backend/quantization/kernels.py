@@ -175,9 +175,13 @@ def _avx512() -> bool:
     return "avx512f" in _cpu_flags()
 
 
+VNNI_FEATURES = {"avx512bw": "+avx512bw", "avx512_vnni": "+avx512vnni"}
+"""What :func:`int8_matmul` needs beyond AVX-512: each CPU flag (Linux's name) and the LLVM attribute enabling it."""
+
+
 def _vnni() -> bool:
     """Whether the running CPU has AVX-512's int8 dot products (VNNI, with the byte and word instructions)."""
-    return {"avx512f", "avx512bw", "avx512_vnni"} <= _cpu_flags()
+    return {"avx512f", *VNNI_FEATURES} <= _cpu_flags()
 
 
 @functools.cache
@@ -283,7 +287,7 @@ def int8_matmul(x: np.ndarray, weights: Int8Weights, out: np.ndarray) -> None:
     scratch = np.empty((MATMUL_ROWS, MATMUL_BLOCKS, 16), np.int32)
     _run("int8_matmul", _int8_matmul_func, (rows, weights.packed, weights.correction,
                                             out.reshape(-1, weights.channels // 16, 16), scratch),
-         any_order=True, features=("+avx512vnni", "+avx512bw"))
+         any_order=True, features=tuple(VNNI_FEATURES.values()))
 
 
 def depthwise_applies(channels: int, multiplier: int) -> bool:
