@@ -34,10 +34,10 @@ ACTIVATION_RANGES = {t: (int(np.iinfo(f.dtype).min), int(np.iinfo(f.dtype).max))
 """Integer range of each activation type: where a fused ReLU/ReLU6 clamp is cut off."""
 
 BIAS_SCALE_RTOL = 1e-6
-CONV_LAYOUTS = {NpuOp.CONV2D: ("NHWC", "HWIO", "NHWC"), NpuOp.DEPTHWISE_CONV2D: ("NHWC", "HWOI", "NHWC")}
-"""The (data, kernel, out) layouts each convolution composite takes (TFLite's, which the NCHW conversion writes)."""
 """The NPU adds the int32 bias in the accumulator domain, so its scale must be
 s_in * s_w; TFLite's converter stores exactly that product in float32."""
+CONV_LAYOUTS = {NpuOp.CONV2D: ("NHWC", "HWIO", "NHWC"), NpuOp.DEPTHWISE_CONV2D: ("NHWC", "HWOI", "NHWC")}
+"""The (data, kernel, out) layouts each convolution composite takes (TFLite's, which the NCHW conversion writes)."""
 
 
 def _const(expr, what: str) -> np.ndarray:
